@@ -1,0 +1,116 @@
+"""Shared benchmark harness: the two ceilings of the device and CUDA-graph replay timing.
+
+- ``copy_bandwidth()``: device-to-device copy rate in bytes/s, counting bytes read + written.
+- ``gemm_peak(dtype)``: dense matmul rate in FLOP/s for an 8192^3 product of random data.
+- ``time_graph_us(fn)``: median time of one call of ``fn`` in microseconds, measured by replaying a
+  CUDA graph that holds ``reps`` calls of it (launch gaps shrink to what a captured decode loop sees).
+- ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
+- ``device_info()``: the device/torch/triton fields every results file carries at its top level.
+
+CUDA only: every benchmark here is meant for the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _events_time_ms(fn: Callable[[], object], iters: int) -> list[float]:
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy rate (bytes read + bytes written per second) of one large buffer."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = statistics.median(_events_time_ms(lambda: dst.copy_(src), iters))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def gemm_peak(dtype: torch.dtype = torch.bfloat16, n: int = 8192, iters: int = 20) -> float:
+    """Dense ``n x n x n`` matmul rate in FLOP/s on random data (the compute ceiling)."""
+    a = torch.randn(n, n, device="cuda").to(dtype)
+    b = torch.randn(n, n, device="cuda").to(dtype)
+    for _ in range(3):
+        a @ b
+    ms = statistics.median(_events_time_ms(lambda: a @ b, iters))
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def time_graph_us(fn: Callable[[int], object], reps: int = 20, replays: int = 15) -> float:
+    """Median microseconds per call of ``fn(i)``, timed by replaying a CUDA graph of ``reps`` calls.
+
+    ``fn`` receives the call index so that it can rotate among input sets; it must be capture-safe.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):  # warm-up: compiles kernels and fills caches outside the capture
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = statistics.median(_events_time_ms(graph.replay, replays))
+    return ms * 1e3 / reps
+
+
+def rotating(make: Callable[[], object], nbytes_per_set: int, l2_bytes: int | None = None) -> list:
+    """Input sets to rotate among so that each call reads from DRAM, not from L2 (at most 8 sets)."""
+    if l2_bytes is None:
+        l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    count = max(1, min(8, -(-2 * l2_bytes // max(nbytes_per_set, 1))))
+    return [make() for _ in range(count)]
+
+
+def device_info(command: str | None = None) -> dict:
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": command if command is not None else "python " + " ".join(sys.argv),
+    }
+
+
+def write_json(name: str, payload: dict, out_dir: str | Path = RESULTS_DIR) -> Path:
+    """Write ``payload`` as ``out_dir/name`` (benchmarks take ``--out``: on the GPU machine, ``$OUT``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def gpu_slug() -> str:
+    """Short device name for result files, e.g. 'h100' for 'NVIDIA H100 80GB HBM3'."""
+    name = torch.cuda.get_device_name(0).lower()
+    for tag in ("h200", "h100", "b200", "a100", "l40s"):
+        if tag in name:
+            return tag
+    return name.replace("nvidia", "").strip().split()[0]

@@ -1,0 +1,328 @@
+"""Tune the routed-expert Triton kernels on this GPU and write a config table for it.
+
+For each model (E, topk, K, N) and token count M it times, by CUDA-graph replay over rotated random
+routings (every token picks topk distinct experts, ``torch.rand(M, E).topk``), bf16:
+
+- the sorted path: for each candidate ``block_m`` the routing, each first-GEMM tile candidate and each
+  second-GEMM (+ slot sum) candidate on their own, keeping the fastest of each; the best ``block_m`` by
+  the sum of the three;
+- the direct path (tiny M only): each GEMV candidate of both GEMMs;
+then times the best of each path end to end through ``fused_experts_triton`` and keeps the faster. The
+winner is checked against the heuristic's output (rel err <= 1e-2) before it is written.
+
+The table goes to ``<out>/<device>.json`` (the file ``moe_extension/kernels/_configs.py`` loads from
+``moe_extension/configs/``), merged over the table already there for this device. Entries are keyed by
+(E, N, K, topk, dtype, weight layouts); the activation is swigluoai (what the benchmark runs).
+
+The default run (the three benchmark models at M in {1, 16, 64, 256, 1024, 4096}) is sized to take well
+under 4 minutes on an H100, most of it Triton compiles (cached on disk for the next run). CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR.parent))
+sys.path.insert(0, str(BENCH_DIR))
+
+MODELS = {
+    "gpt-oss-120b": dict(E=128, topk=4, K=2880, N=2880),
+    "qwen3-30b-a3b": dict(E=128, topk=8, K=2048, N=768),
+    "mixtral-8x7b": dict(E=8, topk=2, K=4096, N=14336),
+}
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+ACTIVATION = "swigluoai"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--shape", nargs=4, type=int, action="append", metavar=("E", "TOPK", "K", "N"), default=[],
+                   help="extra expert shape to tune (repeatable)")
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="M buckets (default: %(default)s)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--weight-layout", choices=("linear", "transposed"), default="linear",
+                   help="'linear': w1 [E, 2N, K] contiguous; 'transposed': [E, K, 2N] storage passed as views")
+    p.add_argument("--out", default=None,
+                   help="directory for <device>.json (default: moe_extension/configs, i.e. install the table)")
+    p.add_argument("--sets", type=int, default=4, help="rotated routings per timing (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Candidates (kept small: every distinct tile is one Triton compile)
+# ---------------------------------------------------------------------------------------------------
+
+
+def block_m_candidates(M: int, E: int, topk: int) -> list[int]:
+    from moe_extension.kernels._configs import expected_hit_experts
+
+    P = M * topk
+    rows = P / max(expected_hit_experts(P, E), 1.0)
+    ladder = [16, 32, 64, 128]
+    best = min(ladder, key=lambda b: abs(math.log2(b) - math.log2(max(rows, 1.0))))
+    i = ladder.index(best)
+    # NOTE: the block just above the expected rows per expert, and the one below (less padding waste).
+    picks = {best, ladder[max(0, i - 1)]} if rows > 24 else {16}
+    return sorted(picks)
+
+
+def gemm1_candidates(block_m: int):
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    if block_m <= 32:  # weight streaming: deep pipelines, 2-4 programs per SM
+        return [G(64, 64, 4, 4), G(64, 128, 4, 3), G(32, 128, 4, 4), G(128, 64, 4, 4), G(64, 64, 4, 6)]
+    if block_m == 64:
+        return [G(64, 64, 4, 4), G(128, 64, 4, 3), G(64, 128, 4, 3), G(64, 64, 4, 5)]
+    return [G(64, 64, 8, 4), G(128, 64, 8, 3), G(64, 128, 8, 3), G(128, 64, 8, 4)]
+
+
+def gemm2_candidates(block_m: int, small: bool):
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    if block_m <= 32:
+        base = [G(64, 128, 4, 4), G(64, 64, 4, 4), G(32, 128, 4, 4), G(128, 64, 4, 4)]
+        if small:  # few row blocks: split the reduction so the tiles fill the GPU
+            base += [dataclasses.replace(base[0], split_k=2), dataclasses.replace(base[2], split_k=4)]
+        return base
+    if block_m == 64:
+        return [G(128, 64, 4, 4), G(256, 64, 4, 3), G(64, 64, 4, 5), G(128, 128, 4, 3)]
+    return [G(128, 64, 8, 4), G(256, 64, 8, 3), G(128, 128, 8, 3)]
+
+
+def direct_candidates(w1_row: bool, w2_row: bool):
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    g1 = [G(8, 256, 4, 4), G(4, 256, 4, 4), G(16, 128, 4, 4), G(8, 256, 4, 6), G(16, 256, 8, 4)]
+    g2 = [G(4, 256, 4, 4), G(8, 256, 4, 4), G(2, 512, 4, 4), G(4, 256, 4, 6), G(16, 128, 4, 4)]
+    if not w1_row:
+        g1 = [G(32, 64, 4, 4), G(32, 128, 4, 4), G(64, 64, 4, 4), G(16, 128, 4, 4)]
+    if not w2_row:
+        g2 = [G(16, 256, 4, 4), G(32, 128, 4, 4), G(16, 128, 4, 6), G(64, 64, 4, 4)]
+    return g1, g2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------
+
+
+def time_us(fn, n_sets: int) -> float:
+    """Median µs per call of fn(i) (i rotates over the input sets), by CUDA-graph replay; inf on failure."""
+    from harness import time_graph_us
+
+    try:
+        for i in range(2):
+            fn(i)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n_sets):
+            fn(i)
+        end.record()
+        end.synchronize()
+        est_us = start.elapsed_time(end) * 1e3 / n_sets
+        # NOTE: ~2 ms of work per replay (at least one pass over the input sets), 5 replays.
+        reps = max(n_sets, min(200, int(2000 / max(est_us, 1.0)) // n_sets * n_sets))
+        return time_graph_us(fn, reps=reps, replays=5)
+    except Exception as exc:  # a config that fails to compile or launch is skipped, not fatal
+        print(f"      skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+        torch.cuda.synchronize()
+        return math.inf
+
+
+def make_weights(E, K, N, dtype, layout):
+    """w1 [E, 2N, K], w2 [E, K, N]: contiguous ('linear') or transposed views of [E, in, out] storage."""
+    def stack(rows, cols):
+        shape = (E, rows, cols) if layout == "linear" else (E, cols, rows)
+        w = torch.randn(shape, dtype=dtype, device="cuda").mul_(1.0 / math.sqrt(cols))
+        return w if layout == "linear" else w.transpose(1, 2)
+
+    return stack(2 * N, K), stack(K, N)
+
+
+def make_sets(E, topk, K, M, dtype, n_sets):
+    """Rotated (x, topk_weights, topk_ids) sets with random routing."""
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(M, K, dtype=dtype, device="cuda")
+        scores = torch.rand(M, E, device="cuda")
+        g, ids = scores.topk(topk, dim=1)
+        sets.append((x, (g / g.sum(1, keepdim=True)).float().contiguous(), ids.to(torch.int32).contiguous()))
+    return sets
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tuning one (model, M) cell
+# ---------------------------------------------------------------------------------------------------
+
+
+def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
+    import moe_extension.kernels.fused_experts as fe
+    from moe_extension.kernels._configs import MoeConfig, sanitize
+    from moe_extension.kernels._routing import route
+
+    dtype = w1.dtype
+    n = len(sets)
+    best = None
+    for bm in block_m_candidates(M, E, topk):
+        routings = [route(ids, E, bm) for _, _, ids in sets]
+        t_route = time_us(lambda i: route(sets[i % n][2], E, bm), n)
+        a_ws = [torch.randn(r.max_blocks * bm, N, dtype=dtype, device=w1.device) for r in routings]
+        g1_best = (math.inf, None)
+        for g1 in gemm1_candidates(bm):
+            g1 = sanitize(MoeConfig("sorted", bm, g1, g1), dtype, N, K).gemm1
+            t = time_us(lambda i: fe._gemm1_sorted(sets[i % n][0], w1, None, a_ws[i % n], True, routings[i % n],
+                                                   topk, act, None, 1.702, 7.0, g1), n)
+            print(f"    bm {bm:3d} gemm1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages}: {t:9.1f} us")
+            g1_best = min(g1_best, (t, g1), key=lambda x: x[0])
+        few_blocks = (M * topk / bm + min(M * topk, E)) * math.ceil(K / 64) < 4 * 132
+        g2_best = (math.inf, None)
+        for g2 in gemm2_candidates(bm, few_blocks):
+            g2 = sanitize(MoeConfig("sorted", bm, g2, g2), dtype, N, K).gemm2
+            splits = fe.effective_splits(N, g2)
+            ys = [torch.empty(splits, M, topk, K, dtype=dtype if splits == 1 else torch.float32, device=w1.device)
+                  for _ in range(n)]
+            outs = [torch.empty(M, K, dtype=dtype, device=w1.device) for _ in range(n)]
+
+            def run2(i, g2=g2, ys=ys, outs=outs):
+                j = i % n
+                fe._gemm2_sorted(a_ws[j], True, w2, None, ys[j], routings[j], topk, sets[j][1], g2)
+                fe._sum_slots(ys[j], routings[j].inverse, outs[j], topk)
+
+            t = time_us(run2, n)
+            print(f"    bm {bm:3d} gemm2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages} "
+                  f"split{g2.split_k}: {t:9.1f} us")
+            g2_best = min(g2_best, (t, g2), key=lambda x: x[0])
+        total = t_route + g1_best[0] + g2_best[0]
+        print(f"    bm {bm:3d}: route {t_route:.1f} + gemm1 {g1_best[0]:.1f} + gemm2/sum {g2_best[0]:.1f} "
+              f"= {total:.1f} us")
+        if g1_best[1] is not None and g2_best[1] is not None and (best is None or total < best[0]):
+            best = (total, MoeConfig("sorted", bm, g1_best[1], g2_best[1]))
+    return best
+
+
+def tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
+    import moe_extension.kernels.fused_experts as fe
+    from moe_extension.kernels._configs import MoeConfig, sanitize
+
+    dtype = w1.dtype
+    n = len(sets)
+    a_ws = [torch.randn(M, topk, N, dtype=dtype, device=w1.device) for _ in range(n)]
+    outs = [torch.empty(M, K, dtype=dtype, device=w1.device) for _ in range(n)]
+    g1c, g2c = direct_candidates(w1_row, w2_row)
+    best1, best2 = (math.inf, None), (math.inf, None)
+    for g1 in g1c:
+        g1 = sanitize(MoeConfig("direct", 0, g1, g1), dtype, N, K).gemm1
+        t = time_us(lambda i: fe._gemv1(sets[i % n][0], w1, None, a_ws[i % n].view(M * topk, N), sets[i % n][2],
+                                        None, act, None, 1.702, 7.0, g1), n)
+        print(f"    direct gemv1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages}: {t:9.1f} us")
+        best1 = min(best1, (t, g1), key=lambda x: x[0])
+    for g2 in g2c:
+        g2 = sanitize(MoeConfig("direct", 0, g2, g2), dtype, N, K).gemm2
+        t = time_us(lambda i: fe._gemv2(a_ws[i % n], w2, None, outs[i % n], sets[i % n][2], None, sets[i % n][1],
+                                        True, g2), n)
+        print(f"    direct gemv2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages}: {t:9.1f} us")
+        best2 = min(best2, (t, g2), key=lambda x: x[0])
+    if best1[1] is None or best2[1] is None:
+        return None
+    return best1[0] + best2[0], MoeConfig("direct", 0, best1[1], best2[1])
+
+
+def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
+    from moe_extension.kernels import fused_experts_triton
+    from moe_extension.kernels._configs import heuristic_config, sanitize, use_direct
+
+    dtype = w1.dtype
+    n = len(sets)
+    finalists = []
+    if use_direct(M, E, topk) or M <= 4:
+        d = tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row)
+        if d:
+            finalists.append(d[1])
+    s = tune_sorted(w1, w2, sets, E, topk, K, N, M, act)
+    if s:
+        finalists.append(s[1])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if w1.is_cuda else 132
+    heur = sanitize(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms), dtype, N, K)
+    x, g, ids = sets[0]
+    ref = fused_experts_triton(x, w1, w2, g, ids, ACTIVATION, config=heur).double()
+    best = (math.inf, heur)
+    for cfg in finalists + [heur]:
+        out = fused_experts_triton(x, w1, w2, g, ids, ACTIVATION, config=cfg).double()
+        err = float((out - ref).norm() / ref.norm().clamp_min(1e-30)) if out.isfinite().all() else math.inf
+        if err > 1e-2:
+            print(f"    REJECTED (rel err {err:.2e} vs heuristic): {cfg}")
+            continue
+        t = time_us(lambda i, cfg=cfg: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
+                                                            ACTIVATION, config=cfg), n)
+        tag = "heuristic" if cfg is heur else cfg.path
+        print(f"    end-to-end {tag:9s}: {t:9.1f} us")
+        if t < best[0]:
+            best = (t, cfg)
+    return best
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_fused_experts: needs a CUDA device", file=sys.stderr)
+        return 1
+    from moe_extension.kernels._configs import CONFIG_DIR, device_slug, table_key
+    from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES
+
+    t0 = time.time()
+    dtype = getattr(torch, args.dtype)
+    device_name = torch.cuda.get_device_name(0)
+    shapes = [(name, MODELS[name]) for name in args.models]
+    shapes += [(f"E{e}_topk{k}_K{kk}_N{n}", dict(E=e, topk=k, K=kk, N=n)) for e, k, kk, n in args.shape]
+    out_dir = Path(args.out) if args.out else CONFIG_DIR
+    out_path = out_dir / f"{device_slug(device_name)}.json"
+    installed = CONFIG_DIR / f"{device_slug(device_name)}.json"
+    base = out_path if out_path.exists() else installed
+    table = json.loads(base.read_text()) if base.exists() else {}
+    table.update(device=device_name, triton=__import__("triton").__version__, torch=torch.__version__)
+    configs = table.setdefault("configs", {})
+    act = ACTIVATION_CODES[ACTIVATION]
+    linear = args.weight_layout == "linear"
+    summary = []
+    torch.manual_seed(0)
+    for name, s in shapes:
+        E, topk, K, N = s["E"], s["topk"], s["K"], s["N"]
+        key = table_key(E, N, K, topk, dtype, linear, linear)
+        print(f"== {name} ({key})")
+        entry = configs.setdefault(key, {})
+        w1, w2 = make_weights(E, K, N, dtype, args.weight_layout)
+        for M in args.tokens:
+            sets = make_sets(E, topk, K, M, dtype, args.sets)
+            print(f"  M={M} ({time.time() - t0:.0f} s)")
+            t, cfg = tune_cell(w1, w2, sets, E, topk, K, N, M, act, linear, linear)
+            entry[str(M)] = cfg.to_json()
+            summary.append((name, M, t, cfg))
+        del w1, w2
+        torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"\n{'model':16s} {'M':>5s} {'us':>9s}  config")
+    for name, M, t, cfg in summary:
+        g1, g2 = cfg.gemm1, cfg.gemm2
+        print(f"{name:16s} {M:5d} {t:9.1f}  {cfg.path:6s} bm{cfg.block_m:<3d} "
+              f"g1 {g1.block_n}x{g1.block_k} w{g1.num_warps}s{g1.num_stages}  "
+              f"g2 {g2.block_n}x{g2.block_k} w{g2.num_warps}s{g2.num_stages} split{g2.split_k}")
+    print(f"wrote {out_path} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

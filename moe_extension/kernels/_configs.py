@@ -1,0 +1,254 @@
+"""Kernel configurations of the routed-expert kernels: a heuristic per (E, N, K, topk, dtype, weight
+layouts, M bucket) and tuned tables loaded from ``moe_extension/configs/<device>.json``.
+
+A ``MoeConfig`` picks the schedule of one ``fused_experts`` call:
+- ``path="direct"``: no routing; per-pair GEMV for the first GEMM, per-token GEMV that sums the slots for
+  the second (2 launches). For tiny batches, where every program streams weights.
+- ``path="sorted"``: routing into ``block_m``-row expert blocks, grouped GEMMs on tensor cores, then the
+  deterministic slot sum (4 launches; 6 when the routing takes three).
+
+``gemm1`` / ``gemm2`` hold the tile of each GEMM: ``block_n`` output columns (of the activation output for
+gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blocks per L2 super-group),
+``split_k`` (sorted gemm2: splits of the reduction dim summed by the slot-sum kernel), ``num_warps``,
+``num_stages``.
+
+Table file (written by ``benchmarks/tune_fused_experts.py``)::
+
+    {"device": "NVIDIA H100 80GB HBM3", "dtype_note": "...",
+     "configs": {"E=128,N=2880,K=2880,topk=4,dtype=bfloat16,w1=row,w2=row":
+                    {"1": {"path": "direct", "block_m": 0, "gemm1": {...}, "gemm2": {...}}, "16": {...}}}}
+
+For a call with M tokens the entry of the nearest tuned M (in log2 distance) is used; keys not in the
+table fall back to the heuristic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# NOTE: Triton reserves some shared memory for layout conversions; staying under 200 KB of pipelined
+# tiles keeps every config below the H100's 227 KB per-block limit (a compile error otherwise).
+SMEM_BUDGET = 200 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    split_k: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    path: str  # "direct" | "sorted"
+    block_m: int  # rows per expert block (sorted path); 0 for the direct path
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "MoeConfig":
+        return MoeConfig(
+            path=d["path"], block_m=int(d.get("block_m", 0)),
+            gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
+        )
+
+
+def device_guard(device: torch.device):
+    """Triton launches on the current device's current stream: make the tensors' device current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def is_row_major(w: torch.Tensor) -> bool:
+    """True when the last (reduction) dim of an [E, out, in] weight is contiguous (nn.Linear layout)."""
+    return w.stride(2) == 1
+
+
+def table_key(E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool) -> str:
+    dt = str(dtype).removeprefix("torch.")
+    return f"E={E},N={N},K={K},topk={topk},dtype={dt},w1={'row' if w1_row else 'col'},w2={'row' if w2_row else 'col'}"
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def table_path(device_name: str) -> Path:
+    return CONFIG_DIR / f"{device_slug(device_name)}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_table(device_name: str) -> dict:
+    path = table_path(device_name)
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {key: {int(m): MoeConfig.from_json(c) for m, c in per_m.items()}
+            for key, per_m in data.get("configs", {}).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device) -> tuple[str, int]:
+    if device.type != "cuda":
+        return "cpu", 132
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.multi_processor_count
+
+
+def _nearest_bucket(buckets, M: int) -> int:
+    lm = math.log2(max(M, 1))
+    return min(buckets, key=lambda b: (abs(math.log2(b) - lm), b))
+
+
+def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
+               device: torch.device) -> MoeConfig:
+    """Tuned entry for this device if the table has the key, else the heuristic; always sanitized."""
+    name, sms = _device_facts(device)
+    per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row), {})
+    # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
+    usable = [b for b, c in per_m.items() if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
+    if usable:
+        cfg = per_m[_nearest_bucket(usable, M)]
+    else:
+        cfg = heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms)
+    return sanitize(cfg, dtype, N, K, topk)
+
+
+def expected_hit_experts(P: int, E: int) -> float:
+    """Expected number of distinct experts among P uniformly routed pairs."""
+    return E * (1.0 - (1.0 - 1.0 / E) ** P) if P > 0 else 0.0
+
+
+def use_direct(M: int, E: int, topk: int) -> bool:
+    # NOTE: the direct path re-reads an expert's weights once per pair that hits it, so it pays only while
+    # pairs rarely share an expert (expected shared fraction ~ P / 2E <= 1/16 here); it saves the routing
+    # and slot-sum launches (~2 x 2-4 us, 10-20% of qwen3's 25 us floor at M = 1).
+    return M == 1 or M * topk * 8 <= E
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << max(0, int(x).bit_length() - 1)
+
+
+def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
+                     num_sms: int = 132) -> MoeConfig:
+    esize = torch.empty((), dtype=dtype).element_size()
+    P = M * topk
+    if use_direct(M, E, topk):
+        return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms)
+    rows = P / max(expected_hit_experts(P, E), 1.0)
+    # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
+    # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
+    block_m = 16 if rows <= 16 else 32 if rows <= 40 else 64 if rows <= 160 else 128
+    big = block_m >= 128
+    # NOTE: gemm1 tiles cover 2 * block_n weight rows (gate + up); block_k 64 keeps 4 stages in smem.
+    g1 = GemmConfig(block_n=64, block_k=64, num_warps=8 if big else 4, num_stages=4, group_m=8)
+    bn2 = 64 if block_m <= 32 else 128
+    bk2 = 128 if block_m < 64 and N % 128 == 0 else 64
+    g2 = GemmConfig(block_n=bn2, block_k=bk2, num_warps=8 if big else 4, num_stages=4, group_m=8)
+    if esize == 4:
+        g1 = dataclasses.replace(g1, block_k=32, num_stages=3)
+        g2 = dataclasses.replace(g2, block_k=32, num_stages=3)
+    # NOTE: split the second GEMM's reduction when its tiles cannot fill the GPU twice over (decode-like
+    # batches on the sorted path); partial sums go through the fp32 workspace that the slot sum reads.
+    blocks = expected_hit_experts(P, E) + P / block_m
+    tiles = blocks * math.ceil(K / g2.block_n)
+    split = 1
+    while tiles * split < 2 * num_sms and split < 8 and N >= 2 * split * g2.block_k:
+        split *= 2
+    g2 = dataclasses.replace(g2, split_k=split)
+    return MoeConfig("sorted", block_m, g1, g2)
+
+
+def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms) -> MoeConfig:
+    # NOTE: GEMV tiles of ~4 K elements (8 KB bf16) per load, 4 stages in flight, 4 warps: 2-4 programs
+    # per SM keep ~64 KB of weight loads in flight per SM. The contiguous dim gets >= 64 bytes per row
+    # (>= 2 sectors); the other dim shrinks until there are >= 3 programs per SM. The second GEMV's tile
+    # spans all slots of a token: slots x block_n x block_k.
+    tile = 4096 if esize <= 2 else 2048
+    slots = triton_next_pow2(topk)
+    contig = 128 // esize
+    if w1_row:
+        bk1 = _reduction_tile(K)
+        bn1 = max(1, tile // (2 * bk1))
+        while P * math.ceil(N / bn1) < 3 * num_sms and bn1 > 2:
+            bn1 //= 2
+    else:
+        bn1 = max(contig // 2, 16)
+        bk1 = max(16, tile // (2 * bn1))
+    g1 = GemmConfig(block_n=bn1, block_k=bk1, num_warps=4, num_stages=4)
+    if w2_row:
+        bk2 = min(_reduction_tile(N), max(16, tile // slots))
+        bn2 = max(1, tile // (slots * bk2))
+        while M * math.ceil(K / bn2) < 3 * num_sms and bn2 > 1:
+            bn2 //= 2
+    else:
+        # NOTE: the output dim is the contiguous one here; 32-byte rows are the smallest that waste no
+        # sector, so that is as far as the tile narrows to make programs.
+        bn2 = contig // 2 if M * math.ceil(K / (contig // 2)) >= 3 * num_sms else contig // 4
+        bk2 = max(16, tile // (slots * bn2))
+    g2 = GemmConfig(block_n=bn2, block_k=bk2, num_warps=4, num_stages=4)
+    return MoeConfig("direct", 0, g1, g2)
+
+
+def _reduction_tile(k: int) -> int:
+    # NOTE: 256 (512 B per bf16 row) even when it does not divide k: the masked tail step costs less than
+    # the 4x more loop steps of a 64-wide tile (2880 = 11.25 x 256).
+    return min(256, max(16, triton_next_pow2(k)))
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1) -> MoeConfig:
+    """Clamp a config to what the kernels accept: power-of-two tiles (>= 16 for tensor-core dots), a
+    split_k that leaves every split work, and pipelined tiles within the shared-memory budget (the direct
+    second GEMV's tile spans next_pow2(topk) slots)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    g1, g2 = cfg.gemm1, cfg.gemm2
+    if cfg.path == "sorted":
+        bm = min(128, max(16, triton_next_pow2(cfg.block_m)))
+        g1 = _fit(dataclasses.replace(g1, split_k=1), bm, 2, 16, esize)
+        g2 = _fit(g2, bm, 1, 16, esize)
+        g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
+        return MoeConfig("sorted", bm, g1, g2)
+    g1 = _fit(dataclasses.replace(g1, split_k=1), 0, 2, 1, esize)
+    g2 = _fit(dataclasses.replace(g2, split_k=1), 0, triton_next_pow2(topk), 1, esize)
+    return MoeConfig("direct", 0, g1, g2)
+
+
+def _fit(g: GemmConfig, block_m: int, col_mult: int, min_n: int, esize: int) -> GemmConfig:
+    """Power-of-two tiles (block_k >= 16, block_n >= min_n), 2-6 stages whose tiles (block_m x block_k
+    activations + block_k x col_mult * block_n weights) fit SMEM_BUDGET: fewer stages first, then a
+    shorter block_k, then a narrower block_n."""
+    bn, bk = max(min_n, _pow2_floor(g.block_n)), max(16, _pow2_floor(g.block_k))
+    stages = max(2, min(g.num_stages, 6))
+
+    def smem():
+        return stages * (block_m + col_mult * bn) * bk * esize
+
+    while smem() > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    while smem() > SMEM_BUDGET and bk > 16:
+        bk //= 2
+    while smem() > SMEM_BUDGET and bn > min_n:
+        bn //= 2
+    warps = g.num_warps if g.num_warps in (1, 2, 4, 8, 16) else 4
+    return dataclasses.replace(g, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+                               group_m=max(1, g.group_m), split_k=max(1, g.split_k))

@@ -1,0 +1,407 @@
+"""Triton kernels of the routed expert GEMMs (fp32 accumulation, one rounding per stored value).
+
+Pairs ``p = t * topk + j`` of token ``t`` and slot ``j``; ``e`` = local expert of the slot (see
+``_routing.local_expert``). Weights come in logical ``[E, out, in]`` layout with any strides.
+
+Grouped (expert-sorted) kernels, walking the blocks of ``_routing.route``:
+- ``gemm1_sorted_kernel``: rows ``x[t]`` gathered by token, times ``W1[e]^T`` ([E, 2N, K]); epilogue:
+  router weight (apply_router_weight_on_input: ``W(g x) = g (W x)``, applied before the bias), bias, then
+  one of the five activations (output ``a`` [rows, N]) or none (output ``h`` [rows, 2N]). Output rows are
+  either the sorted positions (the fused path's workspace) or the pairs (``[M, topk, 2N]``).
+- ``gemm2_sorted_kernel``: rows of ``a`` (sorted positions or pairs) times ``W2[e]^T`` ([E, K, N]), bias,
+  router weight; writes per-slot rows ``y[split, t, j, :]`` (optionally split over the reduction dim).
+- ``sum_slots_kernel``: ``out[t] = sum_{split, j valid} y[split, t, j]`` in a fixed order (deterministic).
+
+Direct (per-pair GEMV) kernels for tiny batches, no routing needed:
+- ``gemv1_kernel``: one program per (pair, tile of outputs), same epilogue as gemm1.
+- ``gemv2_kernel``: one program per (token, tile of K) that loops over the token's slots and sums them in
+  a fixed order (the reduction over topk fused, deterministic); or one program per (pair, tile).
+
+Activation codes: 0 none, 1 silu, 2 gelu (erf), 3 gelu_tanh, 4 swigluoai (interleaved gate/up rows),
+5 swiglustep. Halves activations read gate rows ``n`` and up rows ``N + n``; swigluoai reads the
+``2 * BLOCK_N`` consecutive rows ``2 n0 ...`` and splits even (gate) / odd (up) columns in registers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moe_extension.kernels._routing import local_expert
+
+ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
+# Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
+# kernel whether the tensor is given, absent (stride 0) or strided).
+_RUNTIME_STRIDES = ["stride_be", "stride_bn", "stride_gm", "stride_gk"]
+ACTIVATION_CODES = {
+    "silu": ACT_SILU,
+    "gelu": ACT_GELU,
+    "gelu_tanh": ACT_GELU_TANH,
+    "swigluoai": ACT_SWIGLUOAI,
+    "swiglustep": ACT_SWIGLUSTEP,
+}
+
+
+@triton.jit
+def _sigmoid(x):
+    # exp(-x) overflows to inf for very negative x, giving exactly 0 (never NaN).
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^{2x} + 1): +-1 at the extremes without inf / inf.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def activate(gate, up, alpha, limit, ACT: tl.constexpr):
+    """fp32 gated activation of matching gate/up tiles."""
+    if ACT == 1:
+        out = gate * _sigmoid(gate) * up
+    elif ACT == 2:
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    elif ACT == 3:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = 0.5 * gate * (1.0 + _tanh(inner)) * up
+    elif ACT == 4:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        out = g * _sigmoid(alpha * g) * (u + 1.0)
+    else:
+        s = tl.minimum(gate * _sigmoid(gate), limit)
+        out = s * tl.minimum(tl.maximum(up, -limit), limit)
+    return out
+
+
+@triton.jit
+def _grouped_tile(pid, num_blocks_m, num_tiles_n, GROUP_M: tl.constexpr):
+    """Super-grouped order: GROUP_M row blocks walk the N tiles together, row block fastest, so a weight
+    tile is reused from L2 by the blocks of its expert and an A block by GROUP_M N tiles."""
+    per_group = GROUP_M * num_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
+def gemm1_sorted_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+    ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
+
+    NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
+    specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
+    and flag settings share one compiled kernel, so cold starts (bare GPU machine, tests, tuning) compile
+    few variants.
+    """
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < P
+    # Padding rows read token 0 (always in bounds) and are never stored: no mask on the A loads.
+    token = tl.where(row_ok, pair // topk, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
+    n0 = pid_n * BLOCK_N
+    # Weight rows wrap modulo their range (in bounds, no mask); the columns they feed are not stored.
+    if ACT == 0:
+        wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
+        w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif ACT == 4:
+        wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
+        w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    else:
+        wr = (n0 + tl.arange(0, BLOCK_N)) % N_HALF
+        w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
+        u_ptrs = w_ptrs + N_HALF * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        if ACT != 0 and ACT != 4:
+            if EVEN_K:
+                wu = tl.load(u_ptrs)
+            else:
+                wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PREC)
+            u_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    # apply_router_weight_on_input: W (g x) + b = g (W x) + b; g = 1 when off.
+    g = tl.load(gw_ptr + token.to(tl.int64) * stride_gm + (pair - token * topk) * stride_gk,
+                mask=pair < tl.where(router_on_input != 0, P, 0), other=1.0).to(tl.float32)
+    acc = acc * g[:, None]
+    b_base = bias_ptr + expert.to(tl.int64) * stride_be
+    b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)  # above every row index when on, 0 when off
+    acc += tl.load(b_base + wr * stride_bn, mask=wr < b_lim, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:
+        result = acc
+    elif ACT == 4:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        result = activate(gate, up, alpha, limit, ACT)
+    else:
+        acc_u = acc_u * g[:, None]
+        acc_u += tl.load(b_base + (wr + N_HALF) * stride_bn, mask=wr < b_lim, other=0.0).to(tl.float32)[None, :]
+        result = activate(acc, acc_u, alpha, limit, ACT)
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if OUT_SORTED:
+        out_rows = rows.to(tl.int64)
+    else:
+        out_rows = pair.to(tl.int64)
+    o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
+
+
+@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
+def gemm2_sorted_kernel(
+    a_ptr, w_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
+    stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
+    A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
+
+    Rows of ``a``: the sorted position (A_SORTED, stride_am) or the pair (stride_am per token, stride_aj
+    per slot). program_id(1) is the split of the reduction dim (k_per_split, a multiple of BLOCK_K, each).
+    EVEN_K: every split's range is full BLOCK_K steps inside K. has_bias / apply_weight: runtime flags.
+    """
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < P
+    safe_pair = tl.where(row_ok, pair, 0)
+    t = safe_pair // topk
+    j = safe_pair - t * topk
+    # NOTE: k_per_split stays specialized (a multiple of BLOCK_K, so always "divisible by 16"): the K
+    # offsets must be provably aligned or the loads are not vectorized and not cp.async-pipelined.
+    k_start = tl.multiple_of(split * k_per_split, BLOCK_K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    if A_SORTED:
+        a_rows = rows.to(tl.int64) * stride_am
+    else:
+        a_rows = t.to(tl.int64) * stride_am + j * stride_aj
+    a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak
+    n0 = pid_n * BLOCK_N
+    wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + wr.to(tl.int64)[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < k_end - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    b_lim = tl.where((has_bias != 0) & (split == 0), N_OUT, 0)
+    acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
+                   other=0.0).to(tl.float32)[None, :]
+    g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + j * stride_gk,
+                mask=pair < tl.where(apply_weight != 0, P, 0), other=1.0)
+    acc = acc * g.to(tl.float32)[:, None]
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    y_rows = split.to(tl.int64) * stride_ys + t.to(tl.int64) * stride_yt + j.to(tl.int64) * stride_yj
+    y_ptrs = y_ptr + y_rows[:, None] + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "topk", "SPLITS"])
+def sum_slots_kernel(
+    y_ptr, out_ptr, inverse_ptr, M, topk, N_OUT, SPLITS,
+    stride_ys, stride_yt, stride_yj, stride_yn, stride_om, stride_on,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[t, n] = sum over splits s and valid slots j (inverse[t * topk + j] >= 0) of y[s, t, j, n], in
+    increasing (s, j): deterministic."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < M
+    n_ok = offs_n < N_OUT
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    t64 = offs_t.to(tl.int64)
+    y_tile = y_ptr + t64[:, None] * stride_yt + offs_n[None, :] * stride_yn
+    for _ in range(0, SPLITS):
+        for j in range(0, topk):
+            valid = t_ok & (tl.load(inverse_ptr + t64 * topk + j, mask=t_ok, other=-1) >= 0)
+            acc += tl.load(y_tile + j * stride_yj, mask=valid[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        y_tile += stride_ys
+    o_ptrs = out_ptr + t64[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
+                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
+def gemv1_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    P, topk, N_OUT, N_HALF, K, has_map, has_bias, router_on_input,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Per pair p = program_id(1): out[p, n0:n0+BLOCK_N] as in gemm1 (rows of invalid pairs untouched).
+
+    The weight tile is [rows, BLOCK_K]; products accumulate elementwise in a 2-D fp32 tile that is reduced
+    over k once at the end (no cross-thread reduction inside the loop).
+    NOTE: Triton software-pipelines loads that feed no tl.dot only in loops that carry their own
+    num_stages (tl.range), hence NUM_STAGES on the loop.
+    """
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    if not valid:
+        return
+    t = p // topk
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_xm + offs_k * stride_xk
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[None, :] * stride_wk
+    n0 = pid_n * BLOCK_N
+    if ACT == 0:
+        wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif ACT == 4:
+        wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        wr = (n0 + tl.arange(0, BLOCK_N)) % N_HALF
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_ptrs = w_base + wr.to(tl.int64)[:, None] * stride_wn
+    u_ptrs = w_ptrs + N_HALF * stride_wn
+    for kk in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - kk * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if ACT != 0 and ACT != 4:
+            if EVEN_K:
+                wu = tl.load(u_ptrs)
+            else:
+                wu = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
+            acc_u += wu.to(tl.float32) * x[None, :]
+            u_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk, mask=router_on_input != 0,
+                other=1.0).to(tl.float32)
+    h = tl.sum(acc, axis=1) * g
+    b_base = bias_ptr + expert.to(tl.int64) * stride_be
+    b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)
+    h += tl.load(b_base + wr * stride_bn, mask=wr < b_lim, other=0.0).to(tl.float32)
+    if ACT == 0:
+        result = h
+    elif ACT == 4:
+        gate, up = tl.split(tl.reshape(h, (BLOCK_N, 2)))
+        result = activate(gate, up, alpha, limit, ACT)
+    else:
+        hu = tl.sum(acc_u, axis=1) * g
+        hu += tl.load(b_base + (wr + N_HALF) * stride_bn, mask=wr < b_lim, other=0.0).to(tl.float32)
+        result = activate(h, hu, alpha, limit, ACT)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),
+             mask=offs_n < N_OUT)
+
+
+@triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "nslot", "has_map", "has_bias", "apply_weight",
+                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
+def gemv2_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    P, topk, nslot, N_OUT, K, has_map, has_bias, apply_weight,
+    stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
+    SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """SUM_SLOTS: program (n tile, token t) computes out[t, n] = sum_j valid (W2[e_j] a[t, j] + b2[e_j]) g_j
+    (the topk sum fused; a fixed reduction order: deterministic; invalid slots add nothing). Otherwise
+    program (n tile, pair p) computes out[t, j, n] for one pair (rows of invalid pairs untouched).
+    nslot = topk or 1 accordingly, SLOTS >= nslot a power of two.
+
+    NOTE: every step streams the [SLOTS, BLOCK_N, BLOCK_K] weight tile of all the program's slots at once:
+    per-slot expert pointers are computed once before the loop (no per-step slot bookkeeping: a first
+    version that walked (slot, k) steps one slot at a time spent ~140 instructions and 5 barriers per 8
+    weight elements per thread), invalid slots are masked rows that load nothing.
+    """
+    pid_n = tl.program_id(0)
+    if SUM_SLOTS:
+        t = tl.program_id(1)
+        slot0 = 0
+    else:
+        p0 = tl.program_id(1)
+        t = p0 // topk
+        slot0 = p0 - t * topk
+    jj = tl.arange(0, SLOTS)
+    slot_p = t * topk + slot0 + jj
+    e_vec, ok_vec = local_expert(ids_ptr, slot_p, tl.where(jj < nslot, P, 0), stride_im, stride_ik,
+                                 map_ptr, E_global, E, topk, has_map)
+    g_vec = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (slot0 + jj) * stride_gk,
+                    mask=ok_vec & (jj < tl.where(apply_weight != 0, nslot, 0)), other=1.0).to(tl.float32)
+    g_vec = tl.where(ok_vec, g_vec, 0.0)
+    if not SUM_SLOTS:
+        if tl.sum(ok_vec.to(tl.int32), axis=0) == 0:
+            return
+
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wr = offs_n % N_OUT
+    e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
+    w_ptrs = (w_ptr + e64[:, None, None] * stride_we + wr.to(tl.int64)[None, :, None] * stride_wn
+              + offs_k[None, None, :] * stride_wk)
+    a_ptrs = a_ptr + t.to(tl.int64) * stride_at + (slot0 + jj)[:, None] * stride_aj + offs_k[None, :] * stride_ak
+    k_lim = tl.where(ok_vec, K, 0)  # per slot: an invalid slot loads nothing
+    acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kk in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        k_ok = offs_k[None, :] < k_lim[:, None] - kk * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * g_vec[:, None]
+        w = tl.load(w_ptrs, mask=k_ok[:, None, :], other=0.0)
+        acc += w.to(tl.float32) * a[:, None, :]
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    out = tl.sum(tl.sum(acc, axis=2), axis=0)
+    # Biases of all slots in one [SLOTS, BLOCK_N] load, weighted and summed over the slots.
+    b_ptrs = bias_ptr + e64[:, None] * stride_be + wr[None, :] * stride_bn
+    b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))
+    b = tl.load(b_ptrs, mask=b_ok, other=0.0).to(tl.float32)
+    out += tl.sum(b * g_vec[:, None], axis=0)
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)

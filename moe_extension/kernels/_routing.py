@@ -1,0 +1,237 @@
+"""Device routing for the grouped expert GEMMs: from ``topk_ids`` (and ``expert_map``) the expert-sorted,
+block-padded order of the (token, slot) pairs, with no host sync.
+
+Pairs are numbered ``p = t * topk + j`` (``P = M * topk`` of them). Slot ``(t, j)`` has global id
+``i = topk_ids[t, j]`` and local expert ``e = expert_map[i]`` (or ``e = i`` without a map); it is dropped
+(invalid) when ``i < 0``, ``i >= E_global`` (with a map), ``e < 0`` or ``e >= E``.
+
+Outputs (int32, sized from shapes only: ``max_blocks = P // block_m + min(P, E)`` bounds the number of
+non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_m) + #non-empty experts``):
+
+- ``sorted_pairs [max_blocks * block_m]``: the valid pairs grouped by expert (experts in increasing order,
+  pairs in increasing ``p`` inside an expert: deterministic), each expert's group padded with ``P`` (the
+  sentinel) to a multiple of ``block_m``. Entries past the used blocks are never written.
+- ``block_expert [max_blocks]``: the local expert of each block of ``block_m`` sorted rows; -1 for the
+  blocks past the used ones (the GEMM programs of those blocks exit at once).
+- ``inverse [P]``: the sorted position of each pair, -1 for dropped pairs.
+- ``expert_counts [E]``: valid pairs per local expert; ``expert_starts [E]``: first sorted position of
+  each expert's group.
+
+Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one launch: the
+decode case), otherwise three launches (per-chunk histograms, one planning program, per-chunk scatter).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# NOTE: pairs handled per loop step / per program. 128 = one element per thread at num_warps=4, so the
+# histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
+CHUNK = 128
+# NOTE: up to this many pairs one program does all the routing (one launch instead of three: ~2-4 us of
+# launch gaps saved at decode). Its cost grows with P (sequential chunks in one CTA); past a few chunks
+# the three-launch schedule is faster. To be measured on the H100 (P = 512 is 4 chunks).
+SINGLE_PROGRAM_MAX_PAIRS = 512
+_NUM_WARPS = 4
+
+
+class Routing(NamedTuple):
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    inverse: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_starts: torch.Tensor
+    block_m: int
+    max_blocks: int
+
+
+def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the non-empty padded blocks: floor(P / block_m) + min(P, E)."""
+    return num_pairs // block_m + min(num_pairs, num_experts)
+
+
+@triton.jit
+def local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map):
+    """Local expert of pairs ``p`` (any shape of int32 indices) and whether the slot is valid; -1 if not.
+
+    NOTE: topk and has_map are runtime values (one division, one masked load): every kernel that routes
+    compiles once for all models and both map settings, which keeps cold-start compiles (a bare GPU
+    machine, the test suite, tuning) few.
+    """
+    in_range = p < P
+    t = p // topk
+    j = p - t * topk
+    gid = tl.load(ids_ptr + t.to(tl.int64) * stride_im + j * stride_ik, mask=in_range, other=-1)
+    ok = in_range & (gid >= 0) & (gid < tl.where(has_map != 0, E_global, 0))
+    mapped = tl.load(map_ptr + tl.where(ok, gid, 0), mask=ok, other=-1)
+    e = tl.where(has_map != 0, mapped, gid)
+    # Validity is decided in the ids' own dtype (an int64 id >= 2^31 must not wrap into a valid int32).
+    valid = in_range & (e >= 0) & (e < E)
+    return tl.where(valid, e, -1).to(tl.int32), valid
+
+
+@triton.jit
+def _chunk_histogram(e, valid, NB: tl.constexpr):
+    """Valid pairs per expert bin [NB] of one chunk (tl.histogram needs every value inside [0, NB))."""
+    hist = tl.histogram(tl.where(valid, e, 0), NB)
+    n_invalid = tl.sum((~valid).to(tl.int32), axis=0)
+    return hist - tl.where(tl.arange(0, NB) == 0, n_invalid, 0)
+
+
+@triton.jit
+def _rank_in_chunk(e, valid, CHUNK: tl.constexpr):
+    """For each pair of a chunk: how many earlier valid pairs of the chunk have the same expert."""
+    i = tl.arange(0, CHUNK)
+    same = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None]) & valid[None, :]
+    return tl.sum(same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks,
+          BLOCK_M: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr):
+    """From the per-expert counts [NB]: padded starts, the block -> expert map and the padding sentinels.
+
+    meta layout (int32 [3 * NB]): counts [0, NB), padded starts [NB, 2 NB), scratch [2 NB, 3 NB).
+    Returns the padded starts [NB].
+    """
+    nb = tl.arange(0, NB)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    bend = tl.cumsum(nblk, axis=0)
+    starts = (bend - nblk) * BLOCK_M
+    total_blocks = tl.sum(nblk, axis=0)
+    tl.store(meta_ptr + nb, counts)
+    tl.store(meta_ptr + NB + nb, starts)
+    # Block b belongs to the expert whose block range [bend - nblk, bend) holds it, i.e. to the number of
+    # experts whose range ends at or before b (empty experts end where the next one starts).
+    for b0 in range(0, max_blocks, BB):
+        b = b0 + tl.arange(0, BB)
+        owner = tl.sum((bend[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(b < total_blocks, owner, -1), mask=b < max_blocks)
+    tl.debug_barrier()  # counts and starts in meta are now visible to every thread of the program
+    r = tl.arange(0, BLOCK_M)
+    for e0 in range(0, E, EB):
+        ex = e0 + tl.arange(0, EB)
+        c = tl.load(meta_ptr + ex, mask=ex < E, other=0)
+        s = tl.load(meta_ptr + NB + ex, mask=ex < E, other=0)
+        pad_end = ((c + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        slot = c[:, None] + r[None, :]
+        tl.store(sorted_ptr + s[:, None] + slot, tl.full([EB, BLOCK_M], 0, tl.int32) + P,
+                 mask=slot < pad_end[:, None])
+    return starts
+
+
+@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
+def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map,
+                         sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, BLOCK_M: tl.constexpr,
+                         NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr):
+    """Routing in one program: histogram pass, plan, then a scatter pass with per-expert running offsets."""
+    nb = tl.arange(0, NB)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([NB], dtype=tl.int32)
+    for c0 in range(0, P, CHUNK):
+        e, valid = local_expert(ids_ptr, c0 + offs, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+        counts += _chunk_histogram(e, valid, NB)
+    running = _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M, NB, BB, EB)
+    for c0 in range(0, P, CHUNK):
+        p = c0 + offs
+        e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+        # Gather running[e] through global scratch (registers cannot be indexed by a tensor of indices).
+        tl.store(meta_ptr + 2 * NB + nb, running)
+        tl.debug_barrier()
+        base = tl.load(meta_ptr + 2 * NB + e, mask=valid, other=0)
+        tl.debug_barrier()  # every thread has read the scratch before the next step overwrites it
+        pos = base + _rank_in_chunk(e, valid, CHUNK)
+        tl.store(sorted_ptr + pos, p, mask=valid)
+        tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
+        running += _chunk_histogram(e, valid, NB)
+
+
+@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
+def _route_count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
+                        NB: tl.constexpr, CHUNK: tl.constexpr):
+    """Per-chunk expert histogram: chunk_counts[c, :] (int32 [num_chunks, NB])."""
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    tl.store(chunk_counts_ptr + c * NB + tl.arange(0, NB), _chunk_histogram(e, valid, NB))
+
+
+@triton.jit(do_not_specialize=["E", "P", "max_blocks", "num_chunks"])
+def _route_plan_kernel(chunk_counts_ptr, num_chunks, E, P, sorted_ptr, block_expert_ptr, meta_ptr, max_blocks,
+                       BLOCK_M: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr,
+                       CB: tl.constexpr):
+    """One program: turns chunk_counts into exclusive per-expert prefixes over chunks (in place), then plans.
+
+    NOTE: CB chunk rows per step (one [CB, NB] tile load, a prefix sum down the rows, 4 K elements: no
+    spills): one memory round trip per CB chunks instead of one per chunk (256 chunks at qwen3 M = 4096).
+    """
+    nb = tl.arange(0, NB)
+    cb = tl.arange(0, CB)
+    running = tl.zeros([NB], dtype=tl.int32)
+    for c0 in range(0, num_chunks, CB):
+        ptrs = chunk_counts_ptr + (c0 + cb)[:, None] * NB + nb[None, :]
+        ok = (c0 + cb < num_chunks)[:, None]
+        rows = tl.load(ptrs, mask=ok, other=0)
+        incl = tl.cumsum(rows, axis=0)
+        tl.store(ptrs, incl - rows + running[None, :], mask=ok)
+        running += tl.sum(rows, axis=0)
+    _plan(running, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M, NB, BB, EB)
+
+
+@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
+def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
+                          sorted_ptr, inverse_ptr, meta_ptr, NB: tl.constexpr, CHUNK: tl.constexpr):
+    """Per chunk: position = expert start + pairs of the expert in earlier chunks + rank inside the chunk."""
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    base = tl.load(meta_ptr + NB + e, mask=valid, other=0) + tl.load(chunk_counts_ptr + c * NB + e, mask=valid, other=0)
+    pos = base + _rank_in_chunk(e, valid, CHUNK)
+    tl.store(sorted_ptr + pos, p, mask=valid)
+    tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
+          single_program_max_pairs: int = SINGLE_PROGRAM_MAX_PAIRS) -> Routing:
+    """Expert-sorted, ``block_m``-padded order of the pairs of ``topk_ids [M, topk]`` (int32/int64, any
+    strides) over ``num_experts`` local experts; ``expert_map [E_global]`` int32 maps global to local ids.
+    """
+    M, topk = topk_ids.shape
+    P = M * topk
+    E = num_experts
+    dev = topk_ids.device
+    max_blocks = max_blocks_for(P, E, block_m)
+    NB = max(32, triton.next_power_of_2(E))
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    inverse = torch.empty(P, dtype=torch.int32, device=dev)
+    meta = torch.empty(3 * NB, dtype=torch.int32, device=dev)
+    routing = Routing(sorted_pairs, block_expert, inverse, meta[:E], meta[NB:NB + E], block_m, max_blocks)
+    if P == 0:
+        return routing
+    has_map = expert_map is not None
+    map_arg = expert_map if has_map else topk_ids
+    e_global = expert_map.numel() if has_map else E
+    # NOTE: the [BB, NB] owner comparison and the [EB, block_m] padding tile stay at 8 K elements.
+    BB = max(1, 8192 // NB)
+    EB = min(triton.next_power_of_2(E), max(1, 8192 // block_m))
+    ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), map_arg, e_global, E, P, topk, int(has_map))
+    if P <= single_program_max_pairs:
+        _route_single_kernel[(1,)](
+            *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks,
+            BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, num_warps=_NUM_WARPS)
+        return routing
+    num_chunks = triton.cdiv(P, CHUNK)
+    chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
+    _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, NB=NB, CHUNK=CHUNK, num_warps=_NUM_WARPS)
+    _route_plan_kernel[(1,)](
+        chunk_counts, num_chunks, E, P, sorted_pairs, block_expert, meta, max_blocks,
+        BLOCK_M=block_m, NB=NB, BB=BB, EB=EB, CB=min(triton.next_power_of_2(num_chunks), max(1, 4096 // NB)),
+        num_warps=_NUM_WARPS)
+    _route_scatter_kernel[(num_chunks,)](
+        *ids_args, chunk_counts, sorted_pairs, inverse, meta, NB=NB, CHUNK=CHUNK, num_warps=_NUM_WARPS)
+    return routing

@@ -1,0 +1,235 @@
+"""Launchers of the routed-expert Triton kernels: the entry points behind ``fused_experts``,
+``expert_gemm1`` and ``expert_gemm2`` for ``quant="none"`` (arguments already validated by the op layer).
+
+Shapes: ``hidden_states [M, K]``, ``w1 [E, 2N, K]``, ``w2 [E, K, N]`` (any strides), ``w1_bias [E, 2N]``,
+``w2_bias [E, K]``, ``topk_weights [M, topk]``, ``topk_ids [M, topk]`` int32/int64, ``expert_map
+[E_global]`` int32. Outputs are contiguous, in the activations' dtype, accumulated in fp32.
+
+Every size below comes from shapes (workspaces are worst-case sized), every launch goes to the current
+stream, and nothing reads device memory on the host: capture-safe, and no host sync. Schedules
+(see ``_configs``), with P = M * topk pairs:
+- direct (decode: M = 1, or P * 8 <= E): 2 launches. ``gemv1`` (+ activation), grid
+  (cdiv(N, BN), P) -> ``a [P, N]``; ``gemv2`` over each token's slots (the topk sum fused, fixed order),
+  grid (cdiv(K, BN), M) -> ``out [M, K]``.
+- sorted: 4 launches (6 when P > 512: the routing takes three). ``route`` -> ``gemm1`` (+ activation),
+  grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
+  splits) -> per-slot ``y [splits, M, topk, K]`` -> ``sum_slots``, grid (M, cdiv(K, 2048)) -> ``out``.
+  max_blocks = P // block_m + min(P, E) bounds the non-empty expert blocks; programs of the blocks past
+  the used ones read block_expert = -1 and exit at once.
+No float atomics anywhere: results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from moe_extension.kernels import _grouped_gemm as kern
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, device_guard, get_config, is_row_major
+from moe_extension.kernels._routing import Routing, route
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # NOTE: fp32 inputs use exact fp32 products (tf32 would cost ~1e-3 relative error); bf16/fp16 ignore it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def select_config(M: int, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk: int,
+                  config: MoeConfig | None) -> MoeConfig:
+    """The config for this call: an explicit one (tuning, tests) or the table / heuristic choice."""
+    if config is not None:
+        return config
+    E, two_n, K = w1.shape
+    return get_config(M, E, two_n // 2, K, topk, hidden_states.dtype, is_row_major(w1), is_row_major(w2),
+                      hidden_states.device)
+
+
+def _stride(t: torch.Tensor | None, dim: int) -> int:
+    return t.stride(dim) if t is not None else 0
+
+
+def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
+                  cfg: GemmConfig):
+    """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N]."""
+    E, two_n, K = w1.shape
+    n_out = two_n if act == kern.ACT_NONE else two_n // 2
+    grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
+    kern.gemm1_sorted_kernel[grid](
+        x, w1, bias if bias is not None else out, out, weights if weights is not None else out,
+        routing.sorted_pairs, routing.block_expert,
+        routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks, int(bias is not None),
+        int(weights is not None),
+        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
+        out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
+        ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
+        BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def effective_splits(N: int, cfg: GemmConfig) -> int:
+    """Non-empty splits of the reduction dim N when each split takes whole BLOCK_K steps."""
+    per_split = triton.cdiv(triton.cdiv(N, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
+    return triton.cdiv(N, per_split)
+
+
+def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig):
+    """y [splits, M, topk, K] of the second GEMM; ``a`` is [sorted rows, N] (a_sorted) or [M, topk, N]."""
+    E, K, N = w2.shape
+    splits = y.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(N, splits), cfg.block_k) * cfg.block_k
+    if a_sorted:
+        stride_am, stride_aj, stride_ak = a.stride(0), 0, a.stride(1)
+    else:
+        stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
+    grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
+    kern.gemm2_sorted_kernel[grid](
+        a, w2, bias if bias is not None else y, y, weights if weights is not None else y,
+        routing.sorted_pairs, routing.block_expert,
+        routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split, int(bias is not None),
+        int(weights is not None), stride_am, stride_aj, stride_ak, w2.stride(0), w2.stride(1), w2.stride(2),
+        _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
+        _stride(weights, 0), _stride(weights, 1),
+        A_SORTED=a_sorted,
+        EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
+        BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _sum_slots(y, inverse, out, topk):
+    splits, M, _, K = y.shape
+    # NOTE: one token row per program, K in 1-2 K chunks: loads of 16 B per thread, and at M = 1 the
+    # launch is a handful of programs.
+    block_n = min(triton.next_power_of_2(K), 2048)
+    kern.sum_slots_kernel[(M, triton.cdiv(K, block_n))](
+        y, out, inverse, M, topk, K, splits, y.stride(0), y.stride(1), y.stride(2), y.stride(3),
+        out.stride(0), out.stride(1), BLOCK_T=1, BLOCK_N=block_n, num_warps=4,
+    )
+
+
+def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig):
+    """Rows p of out [P, n_out] for the valid pairs (direct path)."""
+    E, two_n, K = w1.shape
+    M, topk = topk_ids.shape
+    n_out = two_n if act == kern.ACT_NONE else two_n // 2
+    has_map = expert_map is not None
+    grid = (triton.cdiv(n_out, cfg.block_n), M * topk)
+    kern.gemv1_kernel[grid](
+        x, w1, bias if bias is not None else out, out, weights if weights is not None else out,
+        topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
+        M * topk, topk, n_out, two_n // 2, K, int(has_map), int(bias is not None), int(weights is not None),
+        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
+        out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+        _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
+        ACT=act, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig):
+    """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]."""
+    E, K, N = w2.shape
+    M, topk = topk_ids.shape
+    has_map = expert_map is not None
+    if sum_slots:
+        stride_ot, stride_oj, stride_on = out.stride(0), 0, out.stride(1)
+    else:
+        stride_ot, stride_oj, stride_on = out.stride(0), out.stride(1), out.stride(2)
+    # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
+    # per program streams a SLOTS times wider tile instead, the same bytes per step.
+    slots = triton.next_power_of_2(topk) if sum_slots else 1
+    block_n = cfg.block_n if sum_slots else cfg.block_n * triton.next_power_of_2(topk)
+    grid = (triton.cdiv(K, block_n), M if sum_slots else M * topk)
+    kern.gemv2_kernel[grid](
+        a, w2, bias if bias is not None else out, out, weights if weights is not None else out,
+        topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
+        M * topk, topk, topk if sum_slots else 1, K, N, int(has_map), int(bias is not None),
+        int(weights is not None), a.stride(0), a.stride(1), a.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
+        _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on,
+        topk_ids.stride(0), topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1),
+        SUM_SLOTS=sum_slots, SLOTS=slots, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu", *,
+                         w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                         expert_map: torch.Tensor | None = None, apply_router_weight_on_input: bool = False,
+                         alpha: float = 1.702, limit: float = 7.0, config: MoeConfig | None = None) -> torch.Tensor:
+    """out [M, K] = sum_j g_j FFN_{e_j}(x) (or sum_j FFN_{e_j}(g_j x) with apply_router_weight_on_input)."""
+    M, K = hidden_states.shape
+    E, two_n, _ = w1.shape
+    N = two_n // 2
+    topk = topk_ids.shape[1]
+    dev, dtype = hidden_states.device, hidden_states.dtype
+    act = kern.ACTIVATION_CODES[activation]
+    if M == 0:
+        return torch.empty((0, K), dtype=dtype, device=dev)
+    cfg = select_config(M, hidden_states, w1, w2, topk, config)
+    w_in = topk_weights if apply_router_weight_on_input else None
+    w_out = None if apply_router_weight_on_input else topk_weights
+    out = torch.empty((M, K), dtype=dtype, device=dev)
+    with device_guard(dev):
+        if cfg.path == "direct":
+            a = torch.empty((M, topk, N), dtype=dtype, device=dev)
+            _gemv1(hidden_states, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
+                   cfg.gemm1)
+            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2)
+            return out
+        routing = route(topk_ids, E, cfg.block_m, expert_map)
+        a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=dtype, device=dev)
+        _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1)
+        splits = effective_splits(N, cfg.gemm2)
+        # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
+        # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
+        y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
+        _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2)
+        _sum_slots(y, routing.inverse, out, topk)
+    return out
+
+
+def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids: torch.Tensor, *,
+                        w1_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+                        topk_weights: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+    """h [M, topk, 2N] = W1[e] (g x or x) + b1[e]; rows of invalid slots are 0."""
+    M, K = hidden_states.shape
+    E, two_n, _ = w1.shape
+    topk = topk_ids.shape[1]
+    dev, dtype = hidden_states.device, hidden_states.dtype
+    h = torch.zeros((M, topk, two_n), dtype=dtype, device=dev)
+    if M == 0:
+        return h
+    cfg = config or get_config(M, E, two_n // 2, K, topk, dtype, is_row_major(w1), True, dev)
+    h_rows = h.view(M * topk, two_n)
+    with device_guard(dev):
+        if cfg.path == "direct":
+            _gemv1(hidden_states, w1, w1_bias, h_rows, topk_ids, expert_map, kern.ACT_NONE, topk_weights, 0.0, 0.0,
+                   cfg.gemm1)
+        else:
+            routing = route(topk_ids, E, cfg.block_m, expert_map)
+            _gemm1_sorted(hidden_states, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights,
+                          0.0, 0.0, cfg.gemm1)
+    return h
+
+
+def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, *,
+                        w2_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+                        topk_weights: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+    """y [M, topk, K] = (W2[e] a + b2[e]) (times g when topk_weights is given); rows of invalid slots are 0."""
+    M, topk, N = intermediate.shape
+    E, K, _ = w2.shape
+    dev, dtype = intermediate.device, intermediate.dtype
+    y = torch.zeros((M, topk, K), dtype=dtype, device=dev)
+    if M == 0:
+        return y
+    if config is None:
+        config = get_config(M, E, N, K, topk, dtype, True, is_row_major(w2), dev)
+    with device_guard(dev):
+        if config.path == "direct":
+            _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2)
+        else:
+            routing = route(topk_ids, E, config.block_m, expert_map)
+            _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2)
+    return y

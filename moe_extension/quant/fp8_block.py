@@ -1,0 +1,92 @@
+"""fp8 (float8_e4m3fn) block quantization, the DeepSeek-V3 recipe used by ``quant="fp8_block"``.
+
+Weights: 128 x 128 blocks. ``quantize_fp8_block(w)`` maps a float weight ``[..., rows, cols]`` (a stack
+``[E, rows, cols]`` or a single matrix) to ``q`` e4m3fn of the same shape and fp32 scales
+``s [..., ceil(rows/128), ceil(cols/128)]`` with ``w[.., n, k] ~= q[.., n, k] * s[.., n // 128, k // 128]``;
+``dequantize_fp8_block(q, s)`` is the inverse (fp32). Edge blocks (rows or cols not multiples of 128) are
+partial blocks; their scale comes from the elements that exist.
+
+Activations: per token, 128 columns per group. ``quantize_fp8_per_token_group(x)`` maps ``x [..., cols]``
+to ``q`` e4m3fn ``[..., cols]`` and fp32 ``s [..., ceil(cols/128)]``; ``dequantize_fp8_per_token_group``
+inverts it.
+
+Both use the same rule per block/group, computed in fp32:
+``s = max(amax|block|, 1e-10) / 448``, ``q = e4m3fn(clamp(x / s, -448, 448))`` (round to nearest even).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_BLOCK = 128
+SCALE_EPS = 1e-10
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(amax, min=SCALE_EPS) / FP8_MAX
+
+
+def _to_fp8(x_over_s: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(x_over_s, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., rows, cols]`` float -> ``(q e4m3fn [..., rows, cols], s fp32 [..., ceil(rows/b), ceil(cols/b)])``."""
+    if not w.is_floating_point() or w.dim() < 2:
+        raise TypeError(
+            f"quantize_fp8_block: w must be a floating tensor with >= 2 dims, got {w.dtype} {list(w.shape)}"
+        )
+    rows, cols = w.shape[-2], w.shape[-1]
+    rb, cb = _ceil_div(rows, block), _ceil_div(cols, block)
+    padded = F.pad(w.float(), (0, cb * block - cols, 0, rb * block - rows))
+    blocks = padded.reshape(*w.shape[:-2], rb, block, cb, block)
+    s = _scale_of(blocks.abs().amax(dim=(-3, -1)))
+    q = _to_fp8(blocks / s[..., :, None, :, None])
+    q = q.reshape(padded.shape)[..., :rows, :cols].contiguous()
+    return q, s
+
+
+def expand_block_scales(s: torch.Tensor, rows: int, cols: int, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Scales ``[..., ceil(rows/b), ceil(cols/b)]`` -> one scale per element ``[..., rows, cols]`` (fp32)."""
+    full = s.float().repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return full[..., :rows, :cols]
+
+
+def dequantize_fp8_block(q: torch.Tensor, s: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """``q [..., rows, cols]`` e4m3fn and ``s [..., ceil(rows/b), ceil(cols/b)]`` -> fp32 ``q * s``."""
+    rows, cols = q.shape[-2], q.shape[-1]
+    expected = (*q.shape[:-2], _ceil_div(rows, block), _ceil_div(cols, block))
+    if tuple(s.shape) != expected:
+        raise ValueError(f"dequantize_fp8_block: s must have shape {list(expected)}, got {list(s.shape)}")
+    return q.float() * expand_block_scales(s, rows, cols, block)
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., cols]`` float -> ``(q e4m3fn [..., cols], s fp32 [..., ceil(cols/group)])``."""
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_fp8_per_token_group: x must be a floating tensor, got {x.dtype}")
+    cols = x.shape[-1]
+    ng = _ceil_div(cols, group)
+    padded = F.pad(x.float(), (0, ng * group - cols))
+    groups = padded.reshape(*x.shape[:-1], ng, group)
+    s = _scale_of(groups.abs().amax(dim=-1))
+    q = _to_fp8(groups / s[..., None]).reshape(padded.shape)[..., :cols]
+    return q.contiguous(), s
+
+
+def dequantize_fp8_per_token_group(q: torch.Tensor, s: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
+    """``q [..., cols]`` e4m3fn and ``s [..., ceil(cols/group)]`` -> fp32 ``q * s``."""
+    cols = q.shape[-1]
+    return q.float() * s.float().repeat_interleave(group, dim=-1)[..., :cols]
+
+
+def fake_quantize_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
+    """``x [..., cols]`` -> fp32 ``dequantize(quantize(x))``: the values an fp8 GEMM actually multiplies."""
+    return dequantize_fp8_per_token_group(*quantize_fp8_per_token_group(x, group), group)

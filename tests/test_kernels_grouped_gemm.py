@@ -1,0 +1,256 @@
+"""The routed-expert Triton kernels (moe_extension.kernels) called directly: both schedules (direct GEMV,
+expert-sorted grouped GEMMs), every activation, bias, expert_map, apply_router_weight_on_input, invalid
+slots, strided inputs, split reduction, the unfused entry points, every output element written, determinism,
+and the config heuristic / tables. Against the fp64 loop of tests/reference.py.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (tiny shapes, fp32/fp16: the interpreter's
+bf16 tl.dot is wrong); with CUDA the same cases run on the GPU, bf16 included.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import moe_extension.kernels._configs as configs
+import moe_extension.kernels.fused_experts as fe
+from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
+from moe_extension.kernels._configs import GemmConfig, MoeConfig
+from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES
+from moe_extension.kernels._routing import route
+from tests.reference import (
+    assert_close,
+    expert_gemm1_reference,
+    expert_gemm2_reference,
+    fused_experts_reference,
+    random_expert_map,
+    random_experts,
+    random_routing,
+    tolerance,
+)
+from tests.utils import DEVICES, INTERPRETED, poison
+
+DEVICE = "cuda" if "cuda" in DEVICES else "cpu"
+pytestmark = [
+    pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="needs CUDA or the Triton interpreter"),
+    # The interpreter computes padding rows from uninitialized workspace (never stored) and exp() of huge
+    # negative gates (-> 0, by design): numpy warns about both.
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+# Dtypes of the cases: the interpreter's bf16 tl.dot is wrong, so fp32/fp16 there and bf16/fp16 on the GPU.
+CASE_DTYPES = (torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float32, torch.float16)
+ALL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+# Tiny tiles keep the interpreter fast; on the GPU they are valid configs too (tl.dot needs >= 16).
+SORTED = MoeConfig("sorted", 16, GemmConfig(16, 16, 4, 2), GemmConfig(16, 16, 4, 2))
+SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(32, 16, 4, 2), GemmConfig(16, 16, 4, 2, split_k=2))
+SORTED_BM32 = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2))
+DIRECT = MoeConfig("direct", 0, GemmConfig(8, 16, 4, 2), GemmConfig(4, 32, 4, 2))
+CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "direct": DIRECT}
+
+
+def _case(M, topk, E, K, N, dtype, *, bias=False, emap=False, on_input=False, transposed=False, invalid=0.15,
+          seed=0):
+    torch.manual_seed(seed)
+    num_ids = E + 5 if emap else E
+    ex = random_experts(E, K, N, dtype=dtype, device=DEVICE, bias=bias, transposed=transposed)
+    g, ids = random_routing(M, num_ids, topk, invalid=invalid, device=DEVICE)
+    x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+    kw = dict(w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"], apply_router_weight_on_input=on_input,
+              expert_map=random_expert_map(num_ids, E, device=DEVICE) if emap else None)
+    return x, ex["w1"], ex["w2"], g, ids, kw
+
+
+# (config, activation, dtype index, M, topk, E, K, N, options): every activation on both schedules, K with
+# and without a tail step, topk 1 and non-powers of two.
+FUSED_CASES = [
+    ("sorted", "silu", 0, 5, 3, 6, 40, 24, dict(bias=True)),
+    ("sorted", "swigluoai", 1, 7, 2, 5, 48, 16, dict(bias=True, on_input=True, emap=True)),
+    ("sorted", "gelu", 0, 4, 4, 3, 32, 20, dict(emap=True, transposed=True)),
+    ("sorted", "gelu_tanh", 1, 6, 1, 4, 40, 24, dict(bias=True)),
+    ("sorted", "swiglustep", 0, 3, 6, 8, 24, 16, dict(on_input=True)),
+    ("sorted_split", "silu", 1, 9, 2, 3, 32, 40, dict(bias=True, transposed=True)),
+    ("sorted_bm32", "swigluoai", 0, 11, 3, 4, 40, 24, dict(bias=True)),
+    ("direct", "silu", 0, 1, 3, 6, 40, 24, dict(bias=True)),
+    ("direct", "swigluoai", 1, 2, 4, 9, 48, 16, dict(bias=True, on_input=True, emap=True)),
+    ("direct", "gelu", 0, 1, 2, 4, 24, 40, dict(transposed=True)),
+    ("direct", "gelu_tanh", 1, 3, 2, 8, 32, 24, dict(emap=True)),
+    ("direct", "swiglustep", 0, 1, 6, 7, 40, 16, dict(bias=True)),
+]
+
+
+@pytest.mark.parametrize("cfg,act,dt,M,topk,E,K,N,opts", FUSED_CASES)
+def test_fused_experts_matches_reference(cfg, act, dt, M, topk, E, K, N, opts):
+    dtype = CASE_DTYPES[dt]
+    x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, seed=M * 7 + K, **opts)
+    out = fused_experts_triton(x, w1, w2, g, ids, act, config=CONFIGS[cfg], **kw)
+    assert out.shape == (M, K) and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, fused_experts_reference(x, w1, w2, g, ids, act, **kw), tolerance(dtype, DEVICE))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("M", [1, 9])
+def test_default_configs(dtype, M):
+    """config=None: the heuristic (or this GPU's table) at a direct (M = 1) and a sorted (M = 9) size."""
+    x, w1, w2, g, ids, kw = _case(M, 4, 6, 64, 32, dtype, bias=True, seed=M)
+    out = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", **kw)
+    assert_close(out, fused_experts_reference(x, w1, w2, g, ids, "swigluoai", **kw), tolerance(dtype, DEVICE))
+
+
+@pytest.mark.parametrize("cfg", ["sorted", "direct"])
+@pytest.mark.parametrize("on_input", [False, True])
+def test_unfused_gemms_match_reference(cfg, on_input):
+    dtype = CASE_DTYPES[1]
+    x, w1, w2, g, ids, kw = _case(5, 3, 6, 40, 24, dtype, bias=True, emap=True, seed=3)
+    common = dict(expert_map=kw["expert_map"], config=CONFIGS[cfg])
+    h = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], topk_weights=g if on_input else None, **common)
+    ref_h = expert_gemm1_reference(x, w1, ids, w1_bias=kw["w1_bias"], expert_map=kw["expert_map"],
+                                   topk_weights=g if on_input else None)
+    assert h.shape == (5, 3, 48) and h.dtype == dtype
+    assert_close(h, ref_h, tolerance(dtype, DEVICE))
+    a = torch.randn(5, 3, 24, dtype=dtype, device=DEVICE)
+    a_strided = torch.randn(5, 4, 30, dtype=dtype, device=DEVICE)[:, 1:, 3:27]  # non-contiguous [M, topk, N]
+    for inter in (a, a_strided):
+        y = expert_gemm2_triton(inter, w2, ids, w2_bias=kw["w2_bias"], topk_weights=None if on_input else g,
+                                **common)
+        ref_y = expert_gemm2_reference(inter, w2, ids, w2_bias=kw["w2_bias"], expert_map=kw["expert_map"],
+                                       topk_weights=None if on_input else g)
+        assert_close(y, ref_y, tolerance(dtype, DEVICE))
+    invalid = ref_h.abs().sum(-1) == 0
+    assert invalid.any(), "the case must have invalid slots"
+    assert (h.cpu()[invalid] == 0).all() and (y.cpu()[invalid] == 0).all(), "invalid slots give rows of exactly 0"
+
+
+def test_every_output_written():
+    """Each kernel writes every element it owns: outputs poisoned with NaN beforehand stay NaN only where
+    nothing is owed (padding rows, invalid slots)."""
+    dtype = CASE_DTYPES[0]
+    M, topk, E, K, N = 6, 3, 5, 40, 24
+    x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, bias=True, seed=11)
+    act = ACTIVATION_CODES["silu"]
+    r = route(ids, E, 16)
+    valid_sorted = torch.zeros(r.max_blocks * 16, dtype=torch.bool)
+    used = int((r.block_expert >= 0).sum()) * 16
+    valid_sorted[:used] = (r.sorted_pairs[:used] < M * topk).cpu()
+    valid_pair = (r.inverse >= 0).cpu().view(M, topk)
+    a = poison(torch.empty(r.max_blocks * 16, N, dtype=dtype, device=DEVICE))
+    fe._gemm1_sorted(x, w1, kw["w1_bias"], a, True, r, topk, act, None, 1.702, 7.0, SORTED.gemm1)
+    assert a.cpu()[valid_sorted].isfinite().all()
+    a = torch.where(a.isnan(), torch.zeros_like(a), a)
+    y = poison(torch.empty(2, M, topk, K, dtype=torch.float32, device=DEVICE))
+    fe._gemm2_sorted(a, True, w2, kw["w2_bias"], y, r, topk, g, SORTED_SPLIT.gemm2)
+    assert y.cpu()[:, valid_pair].isfinite().all()
+    out = poison(torch.empty(M, K, dtype=dtype, device=DEVICE))
+    fe._sum_slots(y, r.inverse, out, topk)
+    assert out.isfinite().all(), "slot sum: every output element written, NaN in invalid slots ignored"
+    a2 = poison(torch.empty(M * topk, N, dtype=dtype, device=DEVICE))
+    fe._gemv1(x, w1, kw["w1_bias"], a2, ids, None, act, None, 1.702, 7.0, DIRECT.gemm1)
+    assert a2.cpu()[valid_pair.view(-1)].isfinite().all()
+    out2 = poison(torch.empty(M, K, dtype=dtype, device=DEVICE))
+    fe._gemv2(a2.view(M, topk, N), w2, kw["w2_bias"], out2, ids, None, g, True, DIRECT.gemm2)
+    assert out2.isfinite().all(), "direct slot sum: NaN rows of invalid slots never read"
+
+
+@pytest.mark.parametrize("cfg", ["sorted_split", "direct"])
+def test_extreme_rows_and_garbage_in_invalid_slots(cfg):
+    """Zero and huge rows give no NaN; router weights of invalid slots (NaN here) are never used."""
+    dtype = CASE_DTYPES[0]
+    M, topk, E, K, N = 4, 3, 4, 32, 16
+    x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, bias=True, invalid=0.4, seed=5)
+    x[0] = 0
+    x[1] *= 1e3
+    ids[2, 0] = -1
+    g_garbage = g.clone()
+    g_garbage[ids < 0] = float("nan")
+    g_garbage[ids >= E] = float("nan")
+    out = fused_experts_triton(x, w1, w2, g_garbage, ids, "silu", config=CONFIGS[cfg], **kw)
+    assert out.isfinite().all()
+    assert_close(out, fused_experts_reference(x, w1, w2, g, ids, "silu", **kw), tolerance(dtype, DEVICE))
+    ids_none = torch.full_like(ids, -1)
+    out0 = fused_experts_triton(x, w1, w2, g_garbage, ids_none, "silu", config=CONFIGS[cfg], **kw)
+    assert (out0 == 0).all(), "tokens whose slots are all invalid give exactly 0"
+
+
+@pytest.mark.parametrize("cfg", ["sorted_split", "direct"])
+def test_deterministic(cfg):
+    x, w1, w2, g, ids, kw = _case(7, 4, 5, 40, 24, CASE_DTYPES[0], bias=True, seed=9)
+    first = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=CONFIGS[cfg], **kw)
+    second = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=CONFIGS[cfg], **kw)
+    assert torch.equal(first, second)
+
+
+def test_empty_batch():
+    x, w1, w2, g, ids, kw = _case(1, 2, 3, 16, 16, CASE_DTYPES[0])
+    out = fused_experts_triton(x[:0], w1, w2, g[:0], ids[:0], "silu")
+    assert out.shape == (0, 16)
+    assert expert_gemm1_triton(x[:0], w1, ids[:0]).shape == (0, 2, 32)
+    assert expert_gemm2_triton(torch.empty(0, 2, 16, dtype=x.dtype, device=DEVICE), w2, ids[:0]).shape == (0, 2, 16)
+
+
+# ------------------------------------------------------------------------------------------------ configs
+
+ISSUE_SHAPES = [(128, 4, 2880, 2880), (128, 8, 2048, 768), (8, 2, 4096, 14336), (512, 8, 1000, 333),
+                (64, 6, 2048, 1408), (256, 8, 7168, 2048)]
+
+
+@pytest.mark.parametrize("E,topk,K,N", ISSUE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_heuristic_configs_are_valid(E, topk, K, N, dtype):
+    esize = torch.empty((), dtype=dtype).element_size()
+    for M in (1, 2, 3, 16, 77, 256, 1000, 4096, 65536):
+        for rows in (True, False):
+            cfg = configs.sanitize(configs.heuristic_config(M, E, N, K, topk, dtype, rows, rows), dtype, N, K)
+            assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
+            for g in (cfg.gemm1, cfg.gemm2):
+                assert g.block_n & (g.block_n - 1) == 0 and g.block_k & (g.block_k - 1) == 0
+                assert g.num_warps in (1, 2, 4, 8, 16) and 2 <= g.num_stages <= 6
+            if cfg.path == "sorted":
+                bm = cfg.block_m
+                assert bm in (16, 32, 64, 128) and min(cfg.gemm1.block_n, cfg.gemm1.block_k) >= 16
+                smem1 = cfg.gemm1.num_stages * (bm + 2 * cfg.gemm1.block_n) * cfg.gemm1.block_k * esize
+                smem2 = cfg.gemm2.num_stages * (bm + cfg.gemm2.block_n) * cfg.gemm2.block_k * esize
+                assert max(smem1, smem2) <= configs.SMEM_BUDGET
+                assert 1 <= fe.effective_splits(N, cfg.gemm2) <= cfg.gemm2.split_k
+
+
+def test_sanitize_clamps():
+    wild = MoeConfig("sorted", 100, GemmConfig(300, 200, 3, 9), GemmConfig(8, 8, 4, 7, split_k=64))
+    cfg = configs.sanitize(wild, torch.bfloat16, 40, 40)
+    # 2 stages of 128 x 128 + 128 x 512 bf16 tiles are 320 KB: block_k halves until they fit (160 KB).
+    assert cfg.block_m == 128 and cfg.gemm1.block_n == 256 and cfg.gemm1.block_k == 64
+    assert cfg.gemm1.num_warps == 4 and cfg.gemm1.num_stages == 2
+    assert cfg.gemm2.block_n == 16 and cfg.gemm2.block_k == 16 and cfg.gemm2.split_k == 3
+    assert cfg.gemm2.num_stages == 6
+
+
+def test_table_lookup(tmp_path, monkeypatch):
+    """Tuned entries: nearest M bucket in log2; a direct entry never serves a larger M unsuited to it."""
+    key = configs.table_key(8, 64, 32, 2, torch.bfloat16, True, True)
+    direct = MoeConfig("direct", 0, GemmConfig(8, 64), GemmConfig(4, 64))
+    sorted16 = MoeConfig("sorted", 16, GemmConfig(32, 64), GemmConfig(32, 64))
+    sorted128 = MoeConfig("sorted", 128, GemmConfig(64, 64, 8, 3), GemmConfig(128, 64, 8, 3))
+    table = {"device": "Fake GPU", "configs": {key: {"1": direct.to_json(), "16": sorted16.to_json(),
+                                                     "4096": sorted128.to_json()}}}
+    (tmp_path / f"{configs.device_slug('Fake GPU')}.json").write_text(json.dumps(table))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(configs, "_device_facts", lambda device: ("Fake GPU", 132))
+    configs._load_table.cache_clear()
+    try:
+        def get(M):
+            return configs.get_config(M, 8, 64, 32, 2, torch.bfloat16, True, True, torch.device("cpu"))
+
+        assert get(1) == configs.sanitize(direct, torch.bfloat16, 64, 32)
+        assert get(2).path == "sorted" and get(2).block_m == 16  # E = 8: M = 2 pairs share experts
+        assert get(100).block_m == 16 and get(3000).block_m == 128
+        other = configs.get_config(1, 8, 64, 32, 4, torch.bfloat16, True, True, torch.device("cpu"))
+        assert other == configs.sanitize(configs.heuristic_config(1, 8, 64, 32, 4, torch.bfloat16, True, True),
+                                         torch.bfloat16, 64, 32)
+    finally:
+        configs._load_table.cache_clear()
+
+
+def test_config_json_roundtrip():
+    cfg = MoeConfig("sorted", 64, GemmConfig(64, 64, 4, 4, 8, 1), GemmConfig(128, 64, 4, 3, 4, 2))
+    assert MoeConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    assert dataclasses.asdict(cfg)["gemm2"]["split_k"] == 2
