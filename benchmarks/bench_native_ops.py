@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS_DIR, copy_bandwidth, device_info, gpu_slug, time_graph_us, write_json  # noqa: E402
+from harness import (
+    RESULTS_DIR,
+    copy_bandwidth,
+    device_info,
+    gpu_slug,
+    time_graph_us,
+    write_json,
+)
 
 MOE_SUM_M = 16384
 MOE_SUM_SHAPES = [(4, 2880), (4, 7168), (8, 2880), (8, 7168)]  # (topk, K)
@@ -87,47 +94,44 @@ def row(op: str, shape: str, nbytes: int, ours_us: float, eager_us: float, copy_
     }
 
 
-def bench_moe_sum(copy_bps: float) -> list[dict]:
-    rows = []
-    for topk, k in MOE_SUM_SHAPES:
-        x = torch.randn(MOE_SUM_M, topk, k, device="cuda", dtype=DTYPE)
-        out = torch.empty(MOE_SUM_M, k, device="cuda", dtype=DTYPE)
-        out_eager = torch.empty_like(out)
-        nbytes = (x.numel() + out.numel()) * ELEM
-        shape = f"[{MOE_SUM_M}, {topk}, {k}]"
+def bench_moe_sum_shape(topk: int, k: int, copy_bps: float) -> list[dict]:
+    """Two rows for input [MOE_SUM_M, topk, k]: plain, and with topk_ids + expert_map."""
+    x = torch.randn(MOE_SUM_M, topk, k, device="cuda", dtype=DTYPE)
+    out = torch.empty(MOE_SUM_M, k, device="cuda", dtype=DTYPE)
+    out_eager = torch.empty_like(out)
+    nbytes = (x.numel() + out.numel()) * ELEM
+    shape = f"[{MOE_SUM_M}, {topk}, {k}]"
 
-        ours_us = time_graph_us(lambda i: torch.ops.moe_ext.moe_sum(x, out), reps=REPS)
-        eager_us = time_graph_us(lambda i: torch.sum(x, dim=1, out=out_eager), reps=REPS)
-        rows.append(row("moe_sum", shape, nbytes, ours_us, eager_us, copy_bps, rel_err(out, out_eager)))
+    ours_us = time_graph_us(lambda i: torch.ops.moe_ext.moe_sum(x, out), reps=REPS)
+    eager_us = time_graph_us(lambda i: torch.sum(x, dim=1, out=out_eager), reps=REPS)
+    rows = [row("moe_sum", shape, nbytes, ours_us, eager_us, copy_bps, rel_err(out, out_eager))]
 
-        ids = torch.randint(0, 128, (MOE_SUM_M, topk), device="cuda", dtype=torch.int32)
-        expert_map = torch.arange(128, device="cuda", dtype=torch.int32)
-        valid = (expert_map[ids.long()] >= 0).unsqueeze(-1)
-        zero = torch.zeros((), device="cuda", dtype=DTYPE)
-        nbytes_ids = nbytes + ids.numel() * ids.element_size()
-        ours_us = time_graph_us(lambda i: torch.ops.moe_ext.moe_sum(x, out, ids, expert_map), reps=REPS)
-        eager_us = time_graph_us(
-            lambda i: torch.sum(torch.where(valid, x, zero), dim=1, out=out_eager), reps=REPS
-        )
-        rows.append(row("moe_sum(ids,map)", shape, nbytes_ids, ours_us, eager_us, copy_bps, rel_err(out, out_eager)))
-        del x, out, out_eager, ids, expert_map, valid
-        torch.cuda.empty_cache()
+    ids = torch.randint(0, 128, (MOE_SUM_M, topk), device="cuda", dtype=torch.int32)
+    expert_map = torch.arange(128, device="cuda", dtype=torch.int32)
+    valid = (expert_map[ids.long()] >= 0).unsqueeze(-1)
+    zero = torch.zeros((), device="cuda", dtype=DTYPE)
+    nbytes += ids.numel() * ids.element_size()
+    ours_us = time_graph_us(lambda i: torch.ops.moe_ext.moe_sum(x, out, ids, expert_map), reps=REPS)
+    eager_us = time_graph_us(lambda i: torch.sum(torch.where(valid, x, zero), dim=1, out=out_eager), reps=REPS)
+    rows.append(row("moe_sum(ids,map)", shape, nbytes, ours_us, eager_us, copy_bps, rel_err(out, out_eager)))
     return rows
 
 
-def bench_activations(copy_bps: float) -> list[dict]:
+def bench_activation(name: str, x: torch.Tensor, out: torch.Tensor, copy_bps: float) -> dict:
+    nbytes = (x.numel() + out.numel()) * ELEM
+    ours_us = time_graph_us(lambda i: ours_activation(name, out, x), reps=REPS)
+    eager_us = time_graph_us(lambda i: eager_activation(name, x), reps=REPS)
+    err = rel_err(out, eager_activation(name, x))
+    return row(f"{name}_and_mul", f"[{x.shape[0]}, {x.shape[1]}]", nbytes, ours_us, eager_us, copy_bps, err)
+
+
+def bench_activations(n: int, copy_bps: float) -> list[dict]:
+    """One row per activation for input [ACT_ROWS, 2n]; the eager temporaries are released in between."""
+    x = torch.randn(ACT_ROWS, 2 * n, device="cuda", dtype=DTYPE).mul_(3)
+    out = torch.empty(ACT_ROWS, n, device="cuda", dtype=DTYPE)
     rows = []
-    for n in ACT_WIDTHS:
-        x = torch.randn(ACT_ROWS, 2 * n, device="cuda", dtype=DTYPE).mul_(3)
-        out = torch.empty(ACT_ROWS, n, device="cuda", dtype=DTYPE)
-        nbytes = (x.numel() + out.numel()) * ELEM
-        for name in ACTIVATIONS:
-            ours_us = time_graph_us(lambda i: ours_activation(name, out, x), reps=REPS)
-            eager_us = time_graph_us(lambda i: eager_activation(name, x), reps=REPS)
-            err = rel_err(out, eager_activation(name, x))
-            rows.append(row(f"{name}_and_mul", f"[{ACT_ROWS}, {2 * n}]", nbytes, ours_us, eager_us, copy_bps, err))
-            torch.cuda.empty_cache()
-        del x, out
+    for name in ACTIVATIONS:
+        rows.append(bench_activation(name, x, out, copy_bps))
         torch.cuda.empty_cache()
     return rows
 
@@ -153,13 +157,20 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_native_ops: needs a CUDA device")
-    import moe_extension  # noqa: F401  (registers the ops)
+    import moe_extension  # registers the ops
 
     if not moe_extension.WITH_CUDA:
         sys.exit("bench_native_ops: moe_extension was built without CUDA kernels")
     torch.manual_seed(0)
     copy_bps = copy_bandwidth()
-    rows = bench_moe_sum(copy_bps) + bench_activations(copy_bps)
+    rows = []
+    # NOTE: one function call per shape, so its multi-GB buffers are released before the next one.
+    for topk, k in MOE_SUM_SHAPES:
+        rows += bench_moe_sum_shape(topk, k, copy_bps)
+        torch.cuda.empty_cache()
+    for n in ACT_WIDTHS:
+        rows += bench_activations(n, copy_bps)
+        torch.cuda.empty_cache()
     print(markdown(rows, copy_bps))
     payload = {**device_info(), "copy_GBps": round(copy_bps / 1e9, 1), "rows": rows}
     path = write_json(f"native_ops_{gpu_slug()}.json", payload, args.out)

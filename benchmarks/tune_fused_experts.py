@@ -101,16 +101,14 @@ def gemm2_candidates(block_m: int, small: bool):
     return [G(128, 64, 8, 4), G(256, 64, 8, 3), G(128, 128, 8, 3)]
 
 
-def direct_candidates(w1_row: bool, w2_row: bool):
-    from moe_extension.kernels._configs import GemmConfig as G
-
-    g1 = [G(8, 256, 4, 4), G(4, 256, 4, 4), G(16, 128, 4, 4), G(8, 256, 4, 6), G(16, 256, 8, 4)]
-    g2 = [G(4, 256, 4, 4), G(8, 256, 4, 4), G(2, 512, 4, 4), G(4, 256, 4, 6), G(16, 128, 4, 4)]
-    if not w1_row:
-        g1 = [G(32, 64, 4, 4), G(32, 128, 4, 4), G(64, 64, 4, 4), G(16, 128, 4, 4)]
-    if not w2_row:
-        g2 = [G(16, 256, 4, 4), G(32, 128, 4, 4), G(16, 128, 4, 6), G(64, 64, 4, 4)]
-    return g1, g2
+def direct_candidates(heuristic):
+    """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps."""
+    out = []
+    for g in (heuristic.gemm1, heuristic.gemm2):
+        wide = dataclasses.replace(g, block_n=g.block_n * 2, block_k=max(16, g.block_k // 2))
+        deep = dataclasses.replace(g, block_n=max(1, g.block_n // 2), block_k=g.block_k * 2)
+        out.append([g, wide, deep, dataclasses.replace(g, num_stages=6), dataclasses.replace(g, num_warps=8)])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -215,22 +213,23 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
 
 def tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     import moe_extension.kernels.fused_experts as fe
-    from moe_extension.kernels._configs import MoeConfig, sanitize
+    from moe_extension.kernels._configs import MoeConfig, heuristic_config, sanitize
 
     dtype = w1.dtype
     n = len(sets)
     a_ws = [torch.randn(M, topk, N, dtype=dtype, device=w1.device) for _ in range(n)]
     outs = [torch.empty(M, K, dtype=dtype, device=w1.device) for _ in range(n)]
-    g1c, g2c = direct_candidates(w1_row, w2_row)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if w1.is_cuda else 132
+    g1c, g2c = direct_candidates(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms))
     best1, best2 = (math.inf, None), (math.inf, None)
     for g1 in g1c:
-        g1 = sanitize(MoeConfig("direct", 0, g1, g1), dtype, N, K).gemm1
+        g1 = sanitize(MoeConfig("direct", 0, g1, g1), dtype, N, K, topk).gemm1
         t = time_us(lambda i: fe._gemv1(sets[i % n][0], w1, None, a_ws[i % n].view(M * topk, N), sets[i % n][2],
                                         None, act, None, 1.702, 7.0, g1), n)
         print(f"    direct gemv1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages}: {t:9.1f} us")
         best1 = min(best1, (t, g1), key=lambda x: x[0])
     for g2 in g2c:
-        g2 = sanitize(MoeConfig("direct", 0, g2, g2), dtype, N, K).gemm2
+        g2 = sanitize(MoeConfig("direct", 0, g2, g2), dtype, N, K, topk).gemm2
         t = time_us(lambda i: fe._gemv2(a_ws[i % n], w2, None, outs[i % n], sets[i % n][2], None, sets[i % n][1],
                                         True, g2), n)
         print(f"    direct gemv2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages}: {t:9.1f} us")
@@ -255,7 +254,7 @@ def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     if s:
         finalists.append(s[1])
     sms = torch.cuda.get_device_properties(0).multi_processor_count if w1.is_cuda else 132
-    heur = sanitize(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms), dtype, N, K)
+    heur = sanitize(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms), dtype, N, K, topk)
     x, g, ids = sets[0]
     ref = fused_experts_triton(x, w1, w2, g, ids, ACTIVATION, config=heur).double()
     best = (math.inf, heur)

@@ -52,7 +52,7 @@ def _pad16(n):
 
 def make(lead, width, dtype, device, layout, scale=3.0):
     """input [*lead, width] (values ~ N(0, scale^2)) and a poisoned out [*lead, width // 2]."""
-    kw = dict(dtype=dtype, device=device)
+    kw = {"dtype": dtype, "device": device}
     d = width // 2
     if layout == "contiguous":
         x, out = torch.randn(*lead, width, **kw), torch.empty(*lead, d, **kw)
@@ -161,14 +161,15 @@ def test_opcheck(device, activation):
     torch.library.opcheck(op, (out, x, *extra))
 
 
-def test_compile_dynamic_matches_eager():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic_matches_eager(device):
     def fn(x):
         return tuple(wrapper(a)(x) for a in ops.ACTIVATIONS) + (ops.swigluoai_and_mul(x, 1.0, 2.0),)
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for i, rows in enumerate((5, 9, 17)):
-        x = torch.randn(rows, 3, 258) * 3
+        x = torch.randn(rows, 3, 258, device=device) * 3
         if i == 0:
             got = compiled(x)
         else:
@@ -230,7 +231,8 @@ def test_bad_inputs_fake(activation, case):
 @pytest.mark.parametrize("activation", ops.ACTIVATIONS)
 def test_device_mismatch_fake(activation):
     with FakeTensorMode():
-        with pytest.raises(RuntimeError, match=rf"{activation}_and_mul: out must be on the device of input \(cuda:0\), got cpu"):
+        match = rf"{activation}_and_mul: out must be on the device of input \(cuda:0\), got cpu"
+        with pytest.raises(RuntimeError, match=match):
             call(activation, torch.empty(4, 4), torch.empty(4, 8, device="cuda"))
 
 

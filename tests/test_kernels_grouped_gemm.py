@@ -200,11 +200,16 @@ def test_heuristic_configs_are_valid(E, topk, K, N, dtype):
     esize = torch.empty((), dtype=dtype).element_size()
     for M in (1, 2, 3, 16, 77, 256, 1000, 4096, 65536):
         for rows in (True, False):
-            cfg = configs.sanitize(configs.heuristic_config(M, E, N, K, topk, dtype, rows, rows), dtype, N, K)
+            cfg = configs.sanitize(configs.heuristic_config(M, E, N, K, topk, dtype, rows, rows), dtype, N, K,
+                                   topk)
             assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
             for g in (cfg.gemm1, cfg.gemm2):
                 assert g.block_n & (g.block_n - 1) == 0 and g.block_k & (g.block_k - 1) == 0
                 assert g.num_warps in (1, 2, 4, 8, 16) and 2 <= g.num_stages <= 6
+            if cfg.path == "direct":
+                slots = 1 << (topk - 1).bit_length()
+                assert 2 * cfg.gemm1.block_n * cfg.gemm1.block_k <= 8192, "gemv1 fp32 accumulator tile"
+                assert slots * cfg.gemm2.block_n * cfg.gemm2.block_k <= 8192, "gemv2 fp32 accumulator tile"
             if cfg.path == "sorted":
                 bm = cfg.block_m
                 assert bm in (16, 32, 64, 128) and min(cfg.gemm1.block_n, cfg.gemm1.block_k) >= 16
@@ -236,18 +241,20 @@ def test_table_lookup(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(configs, "_device_facts", lambda device: ("Fake GPU", 132))
     configs._load_table.cache_clear()
+    configs.get_config.cache_clear()
     try:
         def get(M):
             return configs.get_config(M, 8, 64, 32, 2, torch.bfloat16, True, True, torch.device("cpu"))
 
-        assert get(1) == configs.sanitize(direct, torch.bfloat16, 64, 32)
+        assert get(1) == configs.sanitize(direct, torch.bfloat16, 64, 32, 2)
         assert get(2).path == "sorted" and get(2).block_m == 16  # E = 8: M = 2 pairs share experts
         assert get(100).block_m == 16 and get(3000).block_m == 128
         other = configs.get_config(1, 8, 64, 32, 4, torch.bfloat16, True, True, torch.device("cpu"))
         assert other == configs.sanitize(configs.heuristic_config(1, 8, 64, 32, 4, torch.bfloat16, True, True),
-                                         torch.bfloat16, 64, 32)
+                                         torch.bfloat16, 64, 32, 4)
     finally:
         configs._load_table.cache_clear()
+        configs.get_config.cache_clear()
 
 
 def test_config_json_roundtrip():

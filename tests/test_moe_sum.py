@@ -25,7 +25,7 @@ def make_input(m, topk, k, dtype, device, layout):
     padded: row and slot strides padded to a multiple of 16 bytes (vector path, scalar tail when K is not a
     multiple of the vector width); offset: base shifted by one element (scalar path); transposed: the
     slot stride larger than the row stride."""
-    kw = dict(dtype=dtype, device=device)
+    kw = {"dtype": dtype, "device": device}
     if layout == "contiguous":
         x, out = torch.randn(m, topk, k, **kw), torch.empty(m, k, **kw)
     elif layout == "padded":
@@ -130,15 +130,16 @@ def test_opcheck(device, mode):
     torch.library.opcheck(torch.ops.moe_ext.moe_sum.default, (x, out, ids, expert_map))
 
 
-def test_compile_dynamic_matches_eager():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic_matches_eager(device):
     def fn(x, ids, expert_map):
         return moe_sum(x, ids, expert_map) * 2.0
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for i, m in enumerate((5, 9, 17)):
-        x = torch.randn(m, 4, 40)
-        ids, expert_map = make_routing(m, 4, "cpu", "int32+map", x)
+        x = torch.randn(m, 4, 40, device=device)
+        ids, expert_map = make_routing(m, 4, device, "int32+map", x)
         if i == 0:
             y = compiled(x, ids, expert_map)
         else:
@@ -172,14 +173,16 @@ BAD_INPUTS = [
     ("ids_dtype", lambda d: (_t(3, 2, 64, device=d), _t(3, 64, device=d), _t(3, 2, device=d), None), TypeError,
      r"moe_sum: topk_ids must be int32 or int64, got torch.float32"),
     ("ids_shape", lambda d: (_t(3, 2, 64, device=d), _t(3, 64, device=d), _t(3, 3, dtype=torch.int32, device=d),
-                             None), RuntimeError, r"moe_sum: topk_ids must have shape \[M, topk\] = \[3, 2\], got \[3, 3\]"),
+                             None), RuntimeError,
+     r"moe_sum: topk_ids must have shape \[M, topk\] = \[3, 2\], got \[3, 3\]"),
     ("map_dtype", lambda d: (_t(3, 2, 64, device=d), _t(3, 64, device=d), _t(3, 2, dtype=torch.int32, device=d),
                              _t(8, dtype=torch.int64, device=d)), TypeError, r"moe_sum: expert_map must be int32"),
     ("map_rank", lambda d: (_t(3, 2, 64, device=d), _t(3, 64, device=d), _t(3, 2, dtype=torch.int32, device=d),
                             _t(2, 4, dtype=torch.int32, device=d)), RuntimeError,
      r"moe_sum: expert_map must have 1 dim \[E_global\], got 2 dims"),
     ("map_without_ids", lambda d: (_t(3, 2, 64, device=d), _t(3, 64, device=d), None,
-                                   _t(8, dtype=torch.int32, device=d)), RuntimeError, r"moe_sum: expert_map needs topk_ids"),
+                                   _t(8, dtype=torch.int32, device=d)), RuntimeError,
+     r"moe_sum: expert_map needs topk_ids"),
 ]
 BAD_IDS = [case[0] for case in BAD_INPUTS]
 

@@ -13,19 +13,37 @@ def schema(name: str) -> str:
 
 class TestNativeSchemas(expecttest.TestCase):
     def test_moe_sum(self):
-        self.assertExpectedInline(schema("moe_sum"), """moe_ext::moe_sum(Tensor input, Tensor(a!) output, Tensor? topk_ids=None, Tensor? expert_map=None) -> ()""")
+        self.assertExpectedInline(
+            schema("moe_sum"),
+            """moe_ext::moe_sum(Tensor input, Tensor(a!) output, Tensor? topk_ids=None, Tensor? expert_map=None) -> ()""",
+        )
 
     def test_swigluoai_and_mul(self):
-        self.assertExpectedInline(schema("swigluoai_and_mul"), """moe_ext::swigluoai_and_mul(Tensor(a!) out, Tensor input, float alpha=1.702, float limit=7.) -> ()""")
+        self.assertExpectedInline(
+            schema("swigluoai_and_mul"),
+            """moe_ext::swigluoai_and_mul(Tensor(a!) out, Tensor input, float alpha=1.702, float limit=7.) -> ()""",
+        )
 
     def test_silu_and_mul(self):
-        self.assertExpectedInline(schema("silu_and_mul"), """moe_ext::silu_and_mul(Tensor(a!) out, Tensor input) -> ()""")
+        self.assertExpectedInline(
+            schema("silu_and_mul"),
+            """moe_ext::silu_and_mul(Tensor(a!) out, Tensor input) -> ()""",
+        )
 
     def test_gelu_and_mul(self):
-        self.assertExpectedInline(schema("gelu_and_mul"), """moe_ext::gelu_and_mul(Tensor(a!) out, Tensor input) -> ()""")
+        self.assertExpectedInline(
+            schema("gelu_and_mul"),
+            """moe_ext::gelu_and_mul(Tensor(a!) out, Tensor input) -> ()""",
+        )
 
     def test_gelu_tanh_and_mul(self):
-        self.assertExpectedInline(schema("gelu_tanh_and_mul"), """moe_ext::gelu_tanh_and_mul(Tensor(a!) out, Tensor input) -> ()""")
+        self.assertExpectedInline(
+            schema("gelu_tanh_and_mul"),
+            """moe_ext::gelu_tanh_and_mul(Tensor(a!) out, Tensor input) -> ()""",
+        )
 
     def test_swiglustep_and_mul(self):
-        self.assertExpectedInline(schema("swiglustep_and_mul"), """moe_ext::swiglustep_and_mul(Tensor(a!) out, Tensor input, float limit=7.) -> ()""")
+        self.assertExpectedInline(
+            schema("swiglustep_and_mul"),
+            """moe_ext::swiglustep_and_mul(Tensor(a!) out, Tensor input, float limit=7.) -> ()""",
+        )

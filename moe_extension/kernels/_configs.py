@@ -14,7 +14,7 @@ gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blo
 
 Table file (written by ``benchmarks/tune_fused_experts.py``)::
 
-    {"device": "NVIDIA H100 80GB HBM3", "dtype_note": "...",
+    {"device": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "torch": "...",
      "configs": {"E=128,N=2880,K=2880,topk=4,dtype=bfloat16,w1=row,w2=row":
                     {"1": {"path": "direct", "block_m": 0, "gemm1": {...}, "gemm2": {...}}, "16": {...}}}}
 
@@ -115,9 +115,13 @@ def _nearest_bucket(buckets, M: int) -> int:
     return min(buckets, key=lambda b: (abs(math.log2(b) - lm), b))
 
 
+@functools.lru_cache(maxsize=8192)
 def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
                device: torch.device) -> MoeConfig:
-    """Tuned entry for this device if the table has the key, else the heuristic; always sanitized."""
+    """Tuned entry for this device if the table has the key, else the heuristic; always sanitized.
+
+    NOTE: memoized: eager forwards pay a dict lookup, not the table search and sanitizing (~tens of us).
+    """
     name, sms = _device_facts(device)
     per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
