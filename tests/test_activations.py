@@ -1,5 +1,5 @@
 """Tests of the gated activation ops (silu/gelu/gelu_tanh/swiglustep on halves, swigluoai interleaved): the
-native kernels (CPU, and CUDA when present) against the fp32 PyTorch reference for every dtype, odd
+native kernels (CPU, and CUDA when present) against the fp64 PyTorch reference for every dtype, odd
 widths, several leading shapes and layouts (padded rows, misaligned, transposed leading dims, more
 unmergeable leading dims than the kernels' row layout holds); extreme values and non-default
 alpha/limit; opcheck; torch.compile; bad inputs (eager and fake); CUDA-graph capture on CUDA."""
@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moe_extension import ops
-from tests.utils import DEVICES, DTYPES, poison, rel_err
+from tests.utils import DEVICES, DTYPES, poison
 
 # NOTE: relative (norm) tolerances; the output is rounded once, so bf16 sits near 2e-3 and fp16 near 3e-4.
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -30,6 +30,17 @@ CASES = [
     ([2, 3, 5], "transposed"),
 ]
 CASE_IDS = [f"{'x'.join(map(str, lead)) or 'scalar'}-{layout}" for lead, layout in CASES]
+
+
+def act_err(out, ref):
+    """tests.utils.rel_err, with the norm in the denominator floored at an RMS of 1 (inputs have RMS 3, so typical
+    outputs are larger): a tensor of one or two elements deep in a tail (gelu(-9) ~ 1e-19, or an fp16
+    subnormal) is ill-conditioned for a purely relative error, and the fp64 reference itself loses digits
+    there (1 + tanh, 1 + erf). A wrong element is still an O(1) error."""
+    if not torch.isfinite(out).all():
+        return float("inf")
+    ref = ref.double()
+    return (out.double() - ref).norm().item() / max(ref.norm().item(), out.numel() ** 0.5, 1e-30)
 
 
 def call(activation, out, x, alpha=1.702, limit=7.0):
@@ -79,8 +90,8 @@ def test_matches_reference(device, activation, dtype, case):
     for width in WIDTHS:
         x, out = make(lead, width, dtype, device, layout)
         call(activation, out, x)
-        err = rel_err(out, ops.activation_torch(x.float(), activation))
-        assert err <= TOL[dtype], f"width {width}: rel_err {err:.2e}"
+        err = act_err(out, ops.activation_torch(x.double(), activation))
+        assert err <= TOL[dtype], f"width {width}: error {err:.2e}"
 
 
 @pytest.mark.parametrize("activation", ["swigluoai", "swiglustep"])
@@ -90,10 +101,10 @@ def test_alpha_and_limit(device, activation):
     for dtype in DTYPES:
         x, out = make([33], 258, dtype, device, "contiguous", scale=4.0)
         call(activation, out, x, alpha=1.0, limit=1.5)
-        ref = ops.activation_torch(x.float(), activation, alpha=1.0, limit=1.5)
-        assert rel_err(out, ref) <= TOL[dtype]
-        default_ref = ops.activation_torch(x.float(), activation)
-        assert rel_err(out, default_ref) > 10 * TOL[dtype]  # the arguments are not ignored
+        ref = ops.activation_torch(x.double(), activation, alpha=1.0, limit=1.5)
+        assert act_err(out, ref) <= TOL[dtype]
+        default_ref = ops.activation_torch(x.double(), activation)
+        assert act_err(out, default_ref) > 10 * TOL[dtype]  # the arguments are not ignored
 
 
 @pytest.mark.parametrize("activation", ops.ACTIVATIONS)
@@ -110,7 +121,7 @@ def test_extreme_gates(device, activation):
         x = x.to(dtype)
         out = poison(torch.empty(1, gate.numel(), device=device, dtype=dtype))
         call(activation, out, x)
-        assert rel_err(out, ops.activation_torch(x.float(), activation)) <= TOL[dtype]
+        assert act_err(out, ops.activation_torch(x.double(), activation)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -123,11 +134,11 @@ def test_many_unmergeable_leading_dims(device):
     strided_out = poison(torch.empty(*lead, 10, device=device).permute(perm))
     for out in (strided_out, poison(torch.empty(*lead, 10, device=device))):
         call("silu", out, x)
-        assert rel_err(out, ops.activation_torch(x, "silu")) <= TOL[torch.float32]
+        assert act_err(out, ops.activation_torch(x.double(), "silu")) <= TOL[torch.float32]
     contiguous_x = x.contiguous()
     poison(strided_out)
     call("gelu", strided_out, contiguous_x)
-    assert rel_err(strided_out, ops.activation_torch(contiguous_x, "gelu")) <= TOL[torch.float32]
+    assert act_err(strided_out, ops.activation_torch(contiguous_x.double(), "gelu")) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -144,7 +155,7 @@ def test_functional_wrapper(device, activation):
     x = torch.randn(3, 4, 130, device=device, dtype=torch.bfloat16)
     y = wrapper(activation)(x)
     assert y.shape == (3, 4, 65) and y.dtype == torch.bfloat16 and y.is_contiguous()
-    assert rel_err(y, ops.activation_torch(x.float(), activation)) <= TOL[torch.bfloat16]
+    assert act_err(y, ops.activation_torch(x.double(), activation)) <= TOL[torch.bfloat16]
 
 
 def test_reference_rejects_unknown_activation():
@@ -267,7 +278,7 @@ def test_cuda_large_rows(activation, dtype):
     for rows, width in [(1000, 5760), (64, 28672)]:
         x, out = make([rows], width, dtype, "cuda", "contiguous")
         call(activation, out, x)
-        assert rel_err(out, ops.activation_torch(x.float(), activation)) <= TOL[dtype]
+        assert act_err(out, ops.activation_torch(x.double(), activation)) <= TOL[dtype]
 
 
 @pytest.mark.cuda
@@ -287,4 +298,4 @@ def test_cuda_graph_replay(activation):
         poison(out)
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, ops.activation_torch(x.float(), activation)) <= TOL[torch.bfloat16]
+        assert act_err(out, ops.activation_torch(x.double(), activation)) <= TOL[torch.bfloat16]

@@ -1,5 +1,5 @@
-"""Tests of moe_ext::moe_sum: the native kernels (CPU, and CUDA when present) against the fp32 PyTorch
-reference for every dtype, many topk, odd sizes, contiguous/padded/misaligned/transposed layouts, with
+"""Tests of moe_ext::moe_sum: the native kernels (CPU, and CUDA when present) against the PyTorch
+reference (in fp64) for every dtype, many topk, odd sizes, contiguous/padded/misaligned/transposed layouts, with
 and without topk_ids / expert_map (NaN and Inf planted in invalid slots); opcheck; torch.compile;
 bad inputs (eager and fake); CUDA-graph capture on CUDA."""
 
@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from moe_extension.ops import moe_sum, moe_sum_torch
-from tests.utils import DEVICES, DTYPES, poison, rel_err
+from tests.utils import DEVICES, DTYPES, poison
 
 # NOTE: relative (norm) tolerances; the output is rounded once, so bf16 sits near 2e-3 and fp16 near 3e-4.
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -67,6 +67,17 @@ def make_routing(m, topk, device, mode, x=None):
     return ids, expert_map
 
 
+def sum_err(out, x, ids=None, expert_map=None):
+    """rel_err against the fp64 reference, except that the norm in the denominator is that of the sums of
+    |terms| (what bounds fp32 accumulation error): a plain rel_err of a few sums that cancel to near 0
+    (M = K = 1) is ill-conditioned. A missing or extra slot still costs ~1/topk, far above TOL."""
+    ref = moe_sum_torch(x.double(), ids, expert_map)
+    magnitude = moe_sum_torch(x.double().abs(), ids, expert_map)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref).norm() / magnitude.norm().clamp_min(1e-30)).item()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("topk", TOPKS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,9 +88,8 @@ def test_matches_reference(device, dtype, topk, layout):
             x, out = make_input(m, topk, k, dtype, device, layout)
             ids, expert_map = make_routing(m, topk, device, mode, x)
             torch.ops.moe_ext.moe_sum(x, out, ids, expert_map)
-            ref = moe_sum_torch(x.float(), ids, expert_map)
-            err = rel_err(out, ref)
-            assert err <= TOL[dtype], f"M={m} K={k} ids={mode}: rel_err {err:.2e}"
+            err = sum_err(out, x, ids, expert_map)
+            assert err <= TOL[dtype], f"M={m} K={k} ids={mode}: error {err:.2e}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -119,7 +129,7 @@ def test_functional_wrapper(device):
     ids, expert_map = make_routing(9, 3, device, "int64+map", x)
     y = moe_sum(x, ids, expert_map)
     assert y.shape == (9, 130) and y.dtype == torch.float16 and y.is_contiguous()
-    assert rel_err(y, moe_sum_torch(x.float(), ids, expert_map)) <= TOL[torch.float16]
+    assert sum_err(y, x, ids, expert_map) <= TOL[torch.float16]
 
 
 @pytest.mark.parametrize("mode", ["none", "int32", "int64+map"])
@@ -251,7 +261,7 @@ def test_cuda_large_rows(dtype):
         for args in [(None, None), (ids, expert_map)]:
             out = poison(torch.empty(m, k, device="cuda", dtype=dtype))
             torch.ops.moe_ext.moe_sum(x, out, *args)
-            assert rel_err(out, moe_sum_torch(x.float(), *args)) <= TOL[dtype]
+            assert sum_err(out, x, *args) <= TOL[dtype]
 
 
 @pytest.mark.cuda
@@ -276,4 +286,4 @@ def test_cuda_graph_replay():
         poison(out)
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, moe_sum_torch(x.float(), ids, expert_map)) <= TOL[torch.bfloat16]
+        assert sum_err(out, x, ids, expert_map) <= TOL[torch.bfloat16]

@@ -39,11 +39,14 @@ inline float gated(float gate, float up, const ActParams& p) {
   if constexpr (A == Act::kSilu) {
     return silu(gate) * up;
   } else if constexpr (A == Act::kGelu) {
-    return 0.5f * gate * (1.0f + std::erf(gate * static_cast<float>(M_SQRT1_2))) * up;
+    // NOTE: 0.5 x (1 + erf(x / sqrt 2)) == 0.5 x erfc(-x / sqrt 2); erfc has no cancellation for x << 0,
+    // where 1 + erf loses most of its digits in fp32 (same kernel math as the CUDA backend).
+    return 0.5f * gate * std::erfc(-gate * static_cast<float>(M_SQRT1_2)) * up;
   } else if constexpr (A == Act::kGeluTanh) {
+    // NOTE: 0.5 x (1 + tanh(z)) == x * sigmoid(2z), free of the cancellation in 1 + tanh(z) for x << 0.
     constexpr float kSqrt2OverPi = 0.7978845608028654f;
-    const float inner = kSqrt2OverPi * (gate + 0.044715f * gate * gate * gate);
-    return 0.5f * gate * (1.0f + std::tanh(inner)) * up;
+    const float z = kSqrt2OverPi * (gate + 0.044715f * gate * gate * gate);
+    return gate / (1.0f + std::exp(-2.0f * z)) * up;
   } else if constexpr (A == Act::kSwigluoai) {
     const float g = clamp_max(gate, p.limit);
     const float u = clamp_abs(up, p.limit);

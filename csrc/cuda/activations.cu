@@ -50,10 +50,12 @@ __device__ __forceinline__ float gated(float gate, float up, const ActParams& p)
   if constexpr (A == Act::kSilu) {
     return silu(gate) * up;
   } else if constexpr (A == Act::kGelu) {
-    return 0.5f * gate * (1.0f + erff(gate * 0.7071067811865476f)) * up;
+    // NOTE: 0.5 x (1 + erf(x / sqrt 2)) == 0.5 x erfc(-x / sqrt 2); erfc has no cancellation for x << 0,
+    // where 1 + erf loses most of its digits in fp32.
+    return 0.5f * gate * erfcf(-gate * 0.7071067811865476f) * up;
   } else if constexpr (A == Act::kGeluTanh) {
-    // NOTE: 0.5 x (1 + tanh(z)) == x * sigmoid(2z): one __expf instead of tanhf, which --use_fast_math
-    // may turn into tanh.approx (~5e-4 relative error, visible in fp32).
+    // NOTE: 0.5 x (1 + tanh(z)) == x * sigmoid(2z): one __expf instead of tanhf (which --use_fast_math
+    // may turn into tanh.approx, ~5e-4 relative error), and no cancellation in 1 + tanh(z) for x << 0.
     constexpr float kSqrt2OverPi = 0.7978845608028654f;
     const float z = kSqrt2OverPi * (gate + 0.044715f * gate * gate * gate);
     return gate / (1.0f + __expf(-2.0f * z)) * up;

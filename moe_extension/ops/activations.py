@@ -128,14 +128,14 @@ def swiglustep_and_mul(x: torch.Tensor, limit: float = 7.0) -> torch.Tensor:
 
 
 def activation_torch(x: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """PyTorch reference for ``activation`` (a name in ``ACTIVATIONS``): computes in fp32 and returns
-    ``x.dtype`` (pass fp32 ``x`` to get the unrounded fp32 result). ``alpha`` is used by swigluoai only,
-    ``limit`` by swigluoai and swiglustep. Any device."""
+    """PyTorch reference for ``activation`` (a name in ``ACTIVATIONS``): computes in fp32 (fp64 for fp64
+    ``x``) and returns ``x.dtype`` (pass fp32 ``x`` to get the unrounded fp32 result). ``alpha`` is used by
+    swigluoai only, ``limit`` by swigluoai and swiglustep. Any device."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if x.shape[-1] % 2 != 0:
         raise ValueError(f"activation_torch: x width (last dim) must be even, got {x.shape[-1]}")
-    h = x.float()
+    h = x if x.dtype == torch.float64 else x.float()
     if activation == "swigluoai":
         gate = h[..., 0::2].clamp(max=limit)
         up = h[..., 1::2].clamp(-limit, limit)
