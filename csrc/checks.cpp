@@ -1,5 +1,5 @@
-// Out-of-line definitions of the argument checks declared in checks.h (see the NOTE there: this file
-// must stay a C++ translation unit, compiled by g++ for both backends).
+// Out-of-line definitions of the argument checks declared in checks.h (one copy, compiled by g++, shared
+// by the CPU and CUDA kernels).
 #include "checks.h"
 
 #include <string>

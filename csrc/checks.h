@@ -5,10 +5,8 @@
 //   - slot_is_valid: the moe_sum rule for which top-k slots contribute.
 // Every failed check names the op, the argument and what was expected. Dtype errors raise TypeError
 // (TORCH_CHECK_TYPE), everything else RuntimeError; the Python fakes (moe_extension/ops/*.py) raise the
-// same types with the same messages, in the same order. The checks are defined out of line in checks.cpp:
-// NOTE: compiled by g++, never by nvcc. Inline copies built by nvcc emitted hidden instances of
-// std::ostream::_M_insert<long> whose locale facet ids were never initialised: the first check that
-// printed an integer segfaulted on CUDA (H100 run, 2026-11-21).
+// same types with the same messages, in the same order. The checks are defined out of line in
+// checks.cpp, compiled by g++ for both backends.
 #pragma once
 
 #include <ATen/Dispatch.h>
