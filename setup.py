@@ -23,6 +23,23 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 
 
+def _loaded_libstdcxx() -> str:
+    """Path of the shared libstdc++ this process (with torch imported) runs on, "" when there is none.
+
+    _C must bind to that library rather than to whatever its compiler links by default: a compiler that
+    only has libstdc++.a (the GPU machine's CXX) would otherwise copy libstdc++'s code into _C.
+    """
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+    for line in maps.splitlines():
+        path = line.split()[-1]
+        if "/libstdc++.so" in path:
+            return path
+    return ""
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -46,6 +63,7 @@ class CMakeBuild(build_ext):
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DMOE_EXT_OUTPUT_DIR={out_dir}",
             f"-DMOE_EXT_WITH_CUDA={'ON' if with_cuda else 'OFF'}",
+            f"-DMOE_EXT_LIBSTDCXX={_loaded_libstdcxx()}",
         ]
         if self._has_ninja():
             args += ["-G", "Ninja"]

@@ -2,8 +2,8 @@
 # One GPU-machine session: build from source, run the test suite, run the benchmarks; logs and result
 # files go to $OUT (default ./gpu_out). The GPU machine is bare each time and has no internet: carry
 # `.whl` (expecttest, from ../shared/tools/get_peers.sh whl) and `.deps` (get_peers.sh tk) with the run.
-#   usage: bash benchmarks/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [native] [experts] [tune] ...
-# Steps run in the order given; "all" = build tests native experts. Each step stops after
+#   usage: bash benchmarks/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [main] [native] [experts] [tune] ...
+# Steps run in the order given; "all" = build tests main native experts. Each step stops after
 # STEP_TIMEOUT seconds (default 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 [ -d .deps/tk ] && export PYTHONPATH=$PWD/.deps/tk:${PYTHONPATH:-}
 [ -d .deps/dg ] && export PYTHONPATH=$PWD/.deps/dg:${PYTHONPATH:-}
-steps=("$@"); [ "${#steps[@]}" -eq 0 ] || [ "${steps[0]}" = all ] && steps=(build tests native experts)
+steps=("$@"); [ "${#steps[@]}" -eq 0 ] || [ "${steps[0]}" = all ] && steps=(build tests main native experts)
 status=0
 for step in "${steps[@]}"; do
   echo "=== $step ($(date +%T))"
@@ -31,6 +31,8 @@ for step in "${steps[@]}"; do
       args=${step#tests}; args=${args#=}
       timeout "${STEP_TIMEOUT:-300}" python3 -m pytest -q -ra --durations=15 ${args:-tests} >"$OUT/tests.log" 2>&1 || status=1
       tail -60 "$OUT/tests.log";;
+    main)
+      timeout "${STEP_TIMEOUT:-300}" python3 -m moe_extension 2>&1 | tee "$OUT/main_job.log" || status=1;;
     native)
       timeout "${STEP_TIMEOUT:-300}" python3 benchmarks/bench_native_ops.py --out "$OUT" 2>&1 | tee "$OUT/native.log" || status=1;;
     experts)
