@@ -309,10 +309,11 @@ def main(argv=None) -> int:
             t, cfg = tune_cell(w1, w2, sets, E, topk, K, N, M, act, linear, linear)
             entry[str(M)] = cfg.to_json()
             summary.append((name, M, t, cfg))
+            # Written after every cell, so a run stopped by a time limit keeps what it tuned.
+            out_dir.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         del w1, w2
         torch.cuda.empty_cache()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"\n{'model':16s} {'M':>5s} {'us':>9s}  config")
     for name, M, t, cfg in summary:
         g1, g2 = cfg.gemm1, cfg.gemm2
