@@ -105,6 +105,16 @@ def gemm2_candidates(block_m: int, small: bool):
             G(128, 64, 8, 4, group_m=16)]
 
 
+def with_tma(candidates):
+    """Each candidate with pointer weight loads and with TMA weight loads."""
+    return [g for c in candidates for g in (c, dataclasses.replace(c, tma_weights=True))]
+
+
+def tile_name(g) -> str:
+    return (f"{g.block_n:3d}x{g.block_k:3d} w{g.num_warps} s{g.num_stages} g{g.group_m} split{g.split_k}"
+            f"{' tma' if g.tma_weights else ''}")
+
+
 def direct_candidates(heuristic):
     """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps."""
     out = []
@@ -183,15 +193,15 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
         t_route = time_us(lambda i: route(sets[i % n][2], E, bm), n)
         a_ws = [torch.randn(r.max_blocks * bm, N, dtype=dtype, device=w1.device) for r in routings]
         g1_best = (math.inf, None)
-        for g1 in gemm1_candidates(bm):
+        for g1 in with_tma(gemm1_candidates(bm)):
             g1 = sanitize(MoeConfig("sorted", bm, g1, g1), dtype, N, K).gemm1
             t = time_us(lambda i: fe._gemm1_sorted(sets[i % n][0], w1, None, a_ws[i % n], True, routings[i % n],
                                                    topk, act, None, 1.702, 7.0, g1), n)
-            print(f"    bm {bm:3d} gemm1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages}: {t:9.1f} us")
+            print(f"    bm {bm:3d} gemm1 {tile_name(g1)}: {t:9.1f} us")
             g1_best = min(g1_best, (t, g1), key=lambda x: x[0])
         few_blocks = (M * topk / bm + min(M * topk, E)) * math.ceil(K / 64) < 4 * 132
         g2_best = (math.inf, None)
-        for g2 in gemm2_candidates(bm, few_blocks):
+        for g2 in with_tma(gemm2_candidates(bm, few_blocks)):
             g2 = sanitize(MoeConfig("sorted", bm, g2, g2), dtype, N, K).gemm2
             splits = fe.effective_splits(N, g2)
             ys = [torch.empty(splits, M, topk, K, dtype=dtype if splits == 1 else torch.float32, device=w1.device)
@@ -204,8 +214,7 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
                 fe._sum_slots(ys[j], routings[j].inverse, outs[j], topk)
 
             t = time_us(run2, n)
-            print(f"    bm {bm:3d} gemm2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages} "
-                  f"split{g2.split_k}: {t:9.1f} us")
+            print(f"    bm {bm:3d} gemm2 {tile_name(g2)}: {t:9.1f} us")
             g2_best = min(g2_best, (t, g2), key=lambda x: x[0])
         total = t_route + g1_best[0] + g2_best[0]
         print(f"    bm {bm:3d}: route {t_route:.1f} + gemm1 {g1_best[0]:.1f} + gemm2/sum {g2_best[0]:.1f} "
@@ -322,8 +331,7 @@ def main(argv=None) -> int:
     for name, M, t, cfg in summary:
         g1, g2 = cfg.gemm1, cfg.gemm2
         print(f"{name:16s} {M:5d} {t:9.1f}  {cfg.path:6s} bm{cfg.block_m:<3d} "
-              f"g1 {g1.block_n}x{g1.block_k} w{g1.num_warps}s{g1.num_stages}  "
-              f"g2 {g2.block_n}x{g2.block_k} w{g2.num_warps}s{g2.num_stages} split{g2.split_k}")
+              f"g1 {tile_name(g1)}  g2 {tile_name(g2)}")
     print(f"wrote {out_path} in {time.time() - t0:.0f} s")
     return 0
 

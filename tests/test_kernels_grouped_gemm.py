@@ -122,6 +122,51 @@ def test_unfused_gemms_match_reference(cfg, on_input):
     assert (h.cpu()[invalid] == 0).all() and (y.cpu()[invalid] == 0).all(), "invalid slots give rows of exactly 0"
 
 
+def _with_tma(cfg: MoeConfig) -> MoeConfig:
+    return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, tma_weights=True),
+                               gemm2=dataclasses.replace(cfg.gemm2, tma_weights=True))
+
+
+# (config, activation, K, N): a K tail step (K = 40 with block_k 16 is even, 56 with 32 is not), N not a
+# multiple of block_n, a split reduction, and the unfused first GEMM (activation "none").
+TMA_CASES = [
+    ("sorted", "swigluoai", 40, 24),
+    ("sorted", "silu", 56, 40),
+    ("sorted_split", "gelu", 48, 40),
+    ("sorted_bm32", "swiglustep", 56, 24),
+    ("sorted", "none", 40, 24),
+]
+
+
+@pytest.mark.parametrize("cfg,act,K,N", TMA_CASES)
+def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
+    """tma_weights=True loads the weight tiles through TMA descriptors (sm_90+; in the interpreter, forced
+    on): the results equal the pointer loads' bitwise, and the path is really taken."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fe, "tma_capable", lambda device: True)
+    elif not fe.tma_capable(torch.device(DEVICE)):
+        pytest.skip("needs sm_90+ for TMA")
+    dtype = CASE_DTYPES[1]
+    x, w1, w2, g, ids, kw = _case(9, 3, 5, K, N, dtype, bias=True, emap=True, seed=K + N)
+    base, tma = CONFIGS[cfg], _with_tma(CONFIGS[cfg])
+    assert fe._weight_desc(w1, 16, tma.gemm1) is not None and fe._weight_desc(w1, 16, base.gemm1) is None
+    if act == "none":
+        ref = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=base)
+        out = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=tma)
+    else:
+        ref = fused_experts_triton(x, w1, w2, g, ids, act, config=base, **kw)
+        out = fused_experts_triton(x, w1, w2, g, ids, act, config=tma, **kw)
+        assert_close(out, fused_experts_reference(x, w1, w2, g, ids, act, **kw), tolerance(dtype, DEVICE))
+    assert torch.equal(out, ref)
+
+
+def test_tma_weights_fall_back_for_transposed_weights(monkeypatch):
+    monkeypatch.setattr(fe, "tma_capable", lambda device: True)
+    ex = random_experts(3, 32, 16, dtype=torch.float16, device=DEVICE, transposed=True)
+    cfg = GemmConfig(16, 16, 4, 2, tma_weights=True)
+    assert fe._weight_desc(ex["w1"], 16, cfg) is None, "last dim not contiguous: pointer loads"
+
+
 def test_every_output_written():
     """Each kernel writes every element it owns: outputs poisoned with NaN beforehand stay NaN only where
     nothing is owed (padding rows, invalid slots)."""

@@ -10,7 +10,7 @@ A ``MoeConfig`` picks the schedule of one ``fused_experts`` call:
 ``gemm1`` / ``gemm2`` hold the tile of each GEMM: ``block_n`` output columns (of the activation output for
 gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blocks per L2 super-group),
 ``split_k`` (sorted gemm2: splits of the reduction dim summed by the slot-sum kernel), ``num_warps``,
-``num_stages``.
+``num_stages``, ``tma_weights`` (sorted: weight tiles loaded by TMA where the layout allows).
 
 Table file (written by ``benchmarks/tune_fused_experts.py``)::
 
@@ -48,6 +48,9 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     split_k: int = 1
+    # Sorted path: weight tiles through a TMA descriptor (Hopper and newer, 16-bit weights whose last dim
+    # is contiguous and whose strides are 16-byte multiples; otherwise the pointer loads are used).
+    tma_weights: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

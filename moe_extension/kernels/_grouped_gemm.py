@@ -88,14 +88,18 @@ def _grouped_tile(pid, num_blocks_m, num_tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
     P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_DESC: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
+
+    W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
+    [1, weight rows per tile, BLOCK_K]; rows and columns past the end read as 0), instead of pointers.
 
     NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
     specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
@@ -133,14 +137,23 @@ def gemm1_sorted_kernel(
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
         else:
             k_ok = offs_k < K - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if W_DESC:
+            if ACT == 4:
+                w = w_desc.load([expert, 2 * n0, kk * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
+            else:
+                w = w_desc.load([expert, n0, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         if ACT != 0 and ACT != 4:
-            if EVEN_K:
+            if W_DESC:
+                wu = w_desc.load([expert, N_HALF + n0, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
                 wu = tl.load(u_ptrs)
             else:
                 wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
@@ -177,18 +190,21 @@ def gemm1_sorted_kernel(
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
 def gemm2_sorted_kernel(
-    a_ptr, w_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
     P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_DESC: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
     Rows of ``a``: the sorted position (A_SORTED, stride_am) or the pair (stride_am per token, stride_aj
     per slot). program_id(1) is the split of the reduction dim (k_per_split, a multiple of BLOCK_K, each).
     EVEN_K: every split's range is full BLOCK_K steps inside K. has_bias / apply_weight: runtime flags.
+    W_DESC: weight tiles through the TMA descriptor ``w_desc`` of w [E, N_OUT, K] (block [1, BLOCK_N,
+    BLOCK_K]); a tile reaching past this split's range is multiplied by the masked (zero) columns of ``a``.
     """
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -219,10 +235,14 @@ def gemm2_sorted_kernel(
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
         else:
             k_ok = offs_k < k_end - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if W_DESC:
+            w = w_desc.load([expert, n0, k_start + kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak

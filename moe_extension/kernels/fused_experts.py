@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, device_guard, get_config, is_row_major
@@ -48,14 +49,33 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
     return t.stride(dim) if t is not None else 0
 
 
+def tma_capable(device: torch.device) -> bool:
+    """Whether the device has TMA (sm_90+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig) -> TensorDescriptor | None:
+    """TMA descriptor of w [E, out, in] with block [1, rows, block_k] when cfg asks for it and the device
+    and layout allow it (sm_90+, 16-bit, last dim contiguous, 16-byte aligned base and strides, box dims
+    within 256); None selects the pointer loads."""
+    if not (cfg.tma_weights and tma_capable(w.device)):
+        return None
+    esize = w.element_size()
+    aligned = w.data_ptr() % 16 == 0 and all(s * esize % 16 == 0 for s in w.stride()[:2])
+    if esize != 2 or w.stride(2) != 1 or not aligned or rows > 256 or cfg.block_k > 256:
+        return None
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, rows, cfg.block_k])
+
+
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
                   cfg: GemmConfig):
     """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N]."""
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
+    w_desc = _weight_desc(w1, 2 * cfg.block_n if act == kern.ACT_SWIGLUOAI else cfg.block_n, cfg)
     kern.gemm1_sorted_kernel[grid](
-        x, w1, bias if bias is not None else out, out, weights if weights is not None else out,
+        x, w1, w_desc, bias if bias is not None else out, out, weights if weights is not None else out,
         routing.sorted_pairs, routing.block_expert,
         routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks, int(bias is not None),
         int(weights is not None),
@@ -63,7 +83,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -83,8 +103,9 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     else:
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
     grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
+    w_desc = _weight_desc(w2, cfg.block_n, cfg)
     kern.gemm2_sorted_kernel[grid](
-        a, w2, bias if bias is not None else y, y, weights if weights is not None else y,
+        a, w2, w_desc, bias if bias is not None else y, y, weights if weights is not None else y,
         routing.sorted_pairs, routing.block_expert,
         routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split, int(bias is not None),
         int(weights is not None), stride_am, stride_aj, stride_ak, w2.stride(0), w2.stride(1), w2.stride(2),
@@ -93,7 +114,7 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         A_SORTED=a_sorted,
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
