@@ -4,9 +4,8 @@ For each model (E, topk, K, N) and token count M it times, by CUDA-graph replay 
 routings (every token picks topk distinct experts, ``torch.rand(M, E).topk``), bf16:
 
 - the sorted path: for each candidate ``block_m`` the routing, each first-GEMM tile candidate and each
-  second-GEMM (+ slot sum) candidate on their own (each with pointer and with TMA weight loads), keeping
-  the fastest of each, then those two again with each ``tail_m`` (partial blocks in smaller tiles); the
-  best (``block_m``, ``tail_m``) by the sum of the three;
+  second-GEMM (+ slot sum) candidate on their own, keeping the fastest of each; the best ``block_m`` by
+  the sum of the three;
 - the direct path (tiny M only): each GEMV candidate of both GEMMs;
 then times the best of each path end to end through ``fused_experts_triton`` and keeps the faster. The
 winner is checked against the heuristic's output (rel err <= 1e-2) before it is written.
@@ -106,11 +105,6 @@ def gemm2_candidates(block_m: int, small: bool):
             G(128, 64, 8, 4, group_m=16)]
 
 
-# NOTE: tail tiles for the partial blocks. Rows per expert are rarely a multiple of block_m, so at
-# qwen3 M = 4096 (~256 rows per expert, bm 128) about half the experts had a third, nearly empty block.
-TAIL_CANDIDATES = (16, 32)
-
-
 def with_tma(candidates):
     """Each candidate with pointer weight loads and with TMA weight loads."""
     return [g for c in candidates for g in (c, dataclasses.replace(c, tma_weights=True))]
@@ -198,47 +192,35 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
         routings = [route(ids, E, bm) for _, _, ids in sets]
         t_route = time_us(lambda i: route(sets[i % n][2], E, bm), n)
         a_ws = [torch.randn(r.max_blocks * bm, N, dtype=dtype, device=w1.device) for r in routings]
-        def time_gemm1(g1, tail_m=0):
-            return time_us(lambda i: fe._gemm1_sorted(sets[i % n][0], w1, None, a_ws[i % n], True, routings[i % n],
-                                                      topk, act, None, 1.702, 7.0, g1, tail_m), n)
-
-        def time_gemm2(g2, tail_m=0):
-            splits = fe.effective_splits(N, g2)
-            ys = [torch.empty(splits, M, topk, K, dtype=dtype if splits == 1 else torch.float32, device=w1.device)
-                  for _ in range(n)]
-            outs = [torch.empty(M, K, dtype=dtype, device=w1.device) for _ in range(n)]
-
-            def run2(i):
-                j = i % n
-                fe._gemm2_sorted(a_ws[j], True, w2, None, ys[j], routings[j], topk, sets[j][1], g2, tail_m)
-                fe._sum_slots(ys[j], routings[j].inverse, outs[j], topk)
-
-            return time_us(run2, n)
-
         g1_best = (math.inf, None)
         for g1 in with_tma(gemm1_candidates(bm)):
             g1 = sanitize(MoeConfig("sorted", bm, g1, g1), dtype, N, K).gemm1
-            t = time_gemm1(g1)
+            t = time_us(lambda i: fe._gemm1_sorted(sets[i % n][0], w1, None, a_ws[i % n], True, routings[i % n],
+                                                   topk, act, None, 1.702, 7.0, g1), n)
             print(f"    bm {bm:3d} gemm1 {tile_name(g1)}: {t:9.1f} us")
             g1_best = min(g1_best, (t, g1), key=lambda x: x[0])
         few_blocks = (M * topk / bm + min(M * topk, E)) * math.ceil(K / 64) < 4 * 132
         g2_best = (math.inf, None)
         for g2 in with_tma(gemm2_candidates(bm, few_blocks)):
             g2 = sanitize(MoeConfig("sorted", bm, g2, g2), dtype, N, K).gemm2
-            t = time_gemm2(g2)
+            splits = fe.effective_splits(N, g2)
+            ys = [torch.empty(splits, M, topk, K, dtype=dtype if splits == 1 else torch.float32, device=w1.device)
+                  for _ in range(n)]
+            outs = [torch.empty(M, K, dtype=dtype, device=w1.device) for _ in range(n)]
+
+            def run2(i, g2=g2, ys=ys, outs=outs):
+                j = i % n
+                fe._gemm2_sorted(a_ws[j], True, w2, None, ys[j], routings[j], topk, sets[j][1], g2)
+                fe._sum_slots(ys[j], routings[j].inverse, outs[j], topk)
+
+            t = time_us(run2, n)
             print(f"    bm {bm:3d} gemm2 {tile_name(g2)}: {t:9.1f} us")
             g2_best = min(g2_best, (t, g2), key=lambda x: x[0])
-        if g1_best[1] is None or g2_best[1] is None:
-            continue
-        # The winners again with the partial blocks split off into tail tiles (tail_m 0 = no split).
-        for tail_m in [0] + [t for t in TAIL_CANDIDATES if t < bm]:
-            t1 = g1_best[0] if tail_m == 0 else time_gemm1(g1_best[1], tail_m)
-            t2 = g2_best[0] if tail_m == 0 else time_gemm2(g2_best[1], tail_m)
-            total = t_route + t1 + t2
-            print(f"    bm {bm:3d} tail {tail_m:3d}: route {t_route:.1f} + gemm1 {t1:.1f} + gemm2/sum {t2:.1f} "
-                  f"= {total:.1f} us")
-            if best is None or total < best[0]:
-                best = (total, MoeConfig("sorted", bm, g1_best[1], g2_best[1], tail_m))
+        total = t_route + g1_best[0] + g2_best[0]
+        print(f"    bm {bm:3d}: route {t_route:.1f} + gemm1 {g1_best[0]:.1f} + gemm2/sum {g2_best[0]:.1f} "
+              f"= {total:.1f} us")
+        if g1_best[1] is not None and g2_best[1] is not None and (best is None or total < best[0]):
+            best = (total, MoeConfig("sorted", bm, g1_best[1], g2_best[1]))
     return best
 
 
@@ -348,7 +330,7 @@ def main(argv=None) -> int:
     print(f"\n{'model':16s} {'M':>5s} {'us':>9s}  config")
     for name, M, t, cfg in summary:
         g1, g2 = cfg.gemm1, cfg.gemm2
-        print(f"{name:16s} {M:5d} {t:9.1f}  {cfg.path:6s} bm{cfg.block_m:<3d} tail{cfg.tail_m:<3d} "
+        print(f"{name:16s} {M:5d} {t:9.1f}  {cfg.path:6s} bm{cfg.block_m:<3d} "
               f"g1 {tile_name(g1)}  g2 {tile_name(g2)}")
     print(f"wrote {out_path} in {time.time() - t0:.0f} s")
     return 0

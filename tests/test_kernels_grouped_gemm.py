@@ -46,11 +46,8 @@ ALL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cu
 SORTED = MoeConfig("sorted", 16, GemmConfig(16, 16, 4, 2), GemmConfig(16, 16, 4, 2))
 SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(32, 16, 4, 2), GemmConfig(16, 16, 4, 2, split_k=2))
 SORTED_BM32 = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2))
-# Full 32-row blocks in one launch, the partial blocks' 16-row sub-blocks in a second one.
-SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2, split_k=2), tail_m=16)
 DIRECT = MoeConfig("direct", 0, GemmConfig(8, 16, 4, 2), GemmConfig(4, 32, 4, 2))
-CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "sorted_tail": SORTED_TAIL,
-           "direct": DIRECT}
+CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "direct": DIRECT}
 
 
 def _case(M, topk, E, K, N, dtype, *, bias=False, emap=False, on_input=False, transposed=False, invalid=0.15,
@@ -75,9 +72,6 @@ FUSED_CASES = [
     ("sorted", "swiglustep", 0, 3, 6, 8, 24, 16, dict(on_input=True)),
     ("sorted_split", "silu", 1, 9, 2, 3, 32, 40, dict(bias=True, transposed=True)),
     ("sorted_bm32", "swigluoai", 0, 11, 3, 4, 40, 24, dict(bias=True)),
-    # 180 and 120 pairs over 3 and 2 experts: full 32-row blocks and partial ones.
-    ("sorted_tail", "silu", 1, 60, 3, 3, 40, 24, dict(bias=True, emap=True)),
-    ("sorted_tail", "swigluoai", 0, 60, 2, 2, 48, 16, dict(on_input=True)),
     ("direct", "silu", 0, 1, 3, 6, 40, 24, dict(bias=True)),
     ("direct", "swigluoai", 1, 2, 4, 9, 48, 16, dict(bias=True, on_input=True, emap=True)),
     ("direct", "gelu", 0, 1, 2, 4, 24, 40, dict(transposed=True)),
@@ -104,7 +98,7 @@ def test_default_configs(dtype, M):
     assert_close(out, fused_experts_reference(x, w1, w2, g, ids, "swigluoai", **kw), tolerance(dtype, DEVICE))
 
 
-@pytest.mark.parametrize("cfg", ["sorted", "sorted_tail", "direct"])
+@pytest.mark.parametrize("cfg", ["sorted", "direct"])
 @pytest.mark.parametrize("on_input", [False, True])
 def test_unfused_gemms_match_reference(cfg, on_input):
     dtype = CASE_DTYPES[1]
@@ -173,28 +167,6 @@ def test_tma_weights_fall_back_for_transposed_weights(monkeypatch):
     assert fe._weight_desc(ex["w1"], 16, cfg) is None, "last dim not contiguous: pointer loads"
 
 
-def test_tail_split_covers_every_row():
-    """tail_m: the full blocks and the partial blocks' sub-blocks together write every valid sorted row
-    (NaN-poisoned workspace stays NaN only in padding), and the result matches the single-launch one."""
-    dtype = CASE_DTYPES[1]
-    M, topk, E, K, N = 70, 2, 3, 32, 16
-    x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, invalid=0.1, seed=21)
-    r = route(ids, E, 32)
-    rows = r.block_rows.cpu()[: int((r.block_expert >= 0).sum())]
-    assert (rows == 32).any() and (rows < 32).any(), "the case needs full and partial blocks"
-    act = ACTIVATION_CODES["silu"]
-    a = poison(torch.empty(r.max_blocks * 32, N, dtype=dtype, device=DEVICE))
-    fe._gemm1_sorted(x, w1, None, a, True, r, topk, act, None, 1.702, 7.0, SORTED_TAIL.gemm1, SORTED_TAIL.tail_m)
-    valid_sorted = torch.zeros(r.max_blocks * 32, dtype=torch.bool)
-    used = rows.numel() * 32
-    valid_sorted[:used] = (r.sorted_pairs[:used] < M * topk).cpu()
-    assert a.cpu()[valid_sorted].isfinite().all()
-    assert a.cpu()[~valid_sorted].isnan().all(), "padding rows are never written"
-    base = dataclasses.replace(SORTED_TAIL, tail_m=0)
-    assert_close(fused_experts_triton(x, w1, w2, g, ids, "silu", config=SORTED_TAIL, **kw),
-                 fused_experts_triton(x, w1, w2, g, ids, "silu", config=base, **kw), tolerance(dtype, DEVICE))
-
-
 def test_every_output_written():
     """Each kernel writes every element it owns: outputs poisoned with NaN beforehand stay NaN only where
     nothing is owed (padding rows, invalid slots)."""
@@ -245,7 +217,7 @@ def test_extreme_rows_and_garbage_in_invalid_slots(cfg):
     assert (out0 == 0).all(), "tokens whose slots are all invalid give exactly 0"
 
 
-@pytest.mark.parametrize("cfg", ["sorted_split", "sorted_tail", "direct"])
+@pytest.mark.parametrize("cfg", ["sorted_split", "direct"])
 def test_deterministic(cfg):
     x, w1, w2, g, ids, kw = _case(7, 4, 5, 40, 24, CASE_DTYPES[0], bias=True, seed=9)
     first = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=CONFIGS[cfg], **kw)
@@ -300,10 +272,6 @@ def test_sanitize_clamps():
     assert cfg.gemm1.num_warps == 4 and cfg.gemm1.num_stages == 2
     assert cfg.gemm2.block_n == 16 and cfg.gemm2.block_k == 16 and cfg.gemm2.split_k == 3
     assert cfg.gemm2.num_stages == 6
-    assert cfg.tail_m == 0
-    tails = {t: configs.sanitize(dataclasses.replace(wild, tail_m=t), torch.bfloat16, 40, 40).tail_m
-             for t in (8, 20, 32, 128, 200)}
-    assert tails == {8: 0, 20: 32, 32: 32, 128: 0, 200: 0}, "16 <= tail_m < block_m, a power of two"
 
 
 def test_table_lookup(tmp_path, monkeypatch):
@@ -335,8 +303,6 @@ def test_table_lookup(tmp_path, monkeypatch):
 
 
 def test_config_json_roundtrip():
-    cfg = MoeConfig("sorted", 64, GemmConfig(64, 64, 4, 4, 8, 1), GemmConfig(128, 64, 4, 3, 4, 2, True), 32)
+    cfg = MoeConfig("sorted", 64, GemmConfig(64, 64, 4, 4, 8, 1), GemmConfig(128, 64, 4, 3, 4, 2))
     assert MoeConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
-    old_entry = {k: v for k, v in cfg.to_json().items() if k != "tail_m"}  # tables written before tail_m
-    assert MoeConfig.from_json(old_entry).tail_m == 0
     assert dataclasses.asdict(cfg)["gemm2"]["split_k"] == 2

@@ -59,10 +59,6 @@ class MoeConfig:
     block_m: int  # rows per expert block (sorted path); 0 for the direct path
     gemm1: GemmConfig
     gemm2: GemmConfig
-    # Sorted path: 0, or the rows of the smaller tiles that run the partial blocks (each expert's last
-    # block) in a second launch of each GEMM, while the first runs only the full blocks. Less padding
-    # compute when experts get a few rows more than a multiple of block_m.
-    tail_m: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,7 +67,7 @@ class MoeConfig:
     def from_json(d: dict) -> "MoeConfig":
         return MoeConfig(
             path=d["path"], block_m=int(d.get("block_m", 0)),
-            gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]), tail_m=int(d.get("tail_m", 0)),
+            gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
         )
 
 
@@ -238,8 +234,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1) 
         g1 = _fit(dataclasses.replace(g1, split_k=1), bm, 2, 16, esize)
         g2 = _fit(g2, bm, 1, 16, esize)
         g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
-        tail = triton_next_pow2(cfg.tail_m) if cfg.tail_m > 0 else 0
-        return MoeConfig("sorted", bm, g1, g2, tail if 16 <= tail < bm else 0)
+        return MoeConfig("sorted", bm, g1, g2)
     g1 = _fit(dataclasses.replace(g1, split_k=1), 0, 2, 1, esize)
     g2 = _fit(dataclasses.replace(g2, split_k=1), 0, triton_next_pow2(topk), 1, esize)
     return MoeConfig("direct", 0, g1, g2)

@@ -86,43 +86,18 @@ def _grouped_tile(pid, num_blocks_m, num_tiles_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
-def _block_expert(block_expert_ptr, block_rows_ptr, pid_m, BLOCK_M: tl.constexpr, TAIL: tl.constexpr,
-                  PARENT_M: tl.constexpr):
-    """Local expert of row block pid_m, or -1 when this launch skips it.
-
-    TAIL 0: every used routing block (BLOCK_M == the routing's block_m). TAIL 1: only the full ones.
-    TAIL 2: BLOCK_M-row sub-blocks (PARENT_M // BLOCK_M per routing block of PARENT_M rows) of the partial
-    blocks, those holding valid rows. Together TAIL 1 and 2 cover every valid row once.
-    """
-    if TAIL == 2:
-        parent = pid_m // (PARENT_M // BLOCK_M)
-        expert = tl.load(block_expert_ptr + parent)
-        if expert >= 0:
-            n_rows = tl.load(block_rows_ptr + parent)
-            first = (pid_m - parent * (PARENT_M // BLOCK_M)) * BLOCK_M
-            expert = tl.where((n_rows < PARENT_M) & (first < n_rows), expert, -1)
-    else:
-        expert = tl.load(block_expert_ptr + pid_m)
-        if TAIL == 1:
-            if expert >= 0:
-                expert = tl.where(tl.load(block_rows_ptr + pid_m) == BLOCK_M, expert, -1)
-    return expert
-
-
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
-    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
+    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
     P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr, TAIL: tl.constexpr, PARENT_M: tl.constexpr,
+    W_DESC: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
-    TAIL / PARENT_M: which row blocks this launch runs (``_block_expert``).
     W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
     [1, weight rows per tile, BLOCK_K]; rows and columns past the end read as 0), instead of pointers.
 
@@ -132,7 +107,7 @@ def gemm1_sorted_kernel(
     few variants.
     """
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
-    expert = _block_expert(block_expert_ptr, block_rows_ptr, pid_m, BLOCK_M, TAIL, PARENT_M)
+    expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -215,26 +190,25 @@ def gemm1_sorted_kernel(
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
 def gemm2_sorted_kernel(
-    a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr,
+    a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
     P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr, TAIL: tl.constexpr, PARENT_M: tl.constexpr,
+    W_DESC: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
     Rows of ``a``: the sorted position (A_SORTED, stride_am) or the pair (stride_am per token, stride_aj
     per slot). program_id(1) is the split of the reduction dim (k_per_split, a multiple of BLOCK_K, each).
     EVEN_K: every split's range is full BLOCK_K steps inside K. has_bias / apply_weight: runtime flags.
-    TAIL / PARENT_M: which row blocks this launch runs (``_block_expert``).
     W_DESC: weight tiles through the TMA descriptor ``w_desc`` of w [E, N_OUT, K] (block [1, BLOCK_N,
     BLOCK_K]); a tile reaching past this split's range is multiplied by the masked (zero) columns of ``a``.
     """
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
-    expert = _block_expert(block_expert_ptr, block_rows_ptr, pid_m, BLOCK_M, TAIL, PARENT_M)
+    expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -13,8 +13,6 @@ non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_
   sentinel) to a multiple of ``block_m``. Entries past the used blocks are never written.
 - ``block_expert [max_blocks]``: the local expert of each block of ``block_m`` sorted rows; -1 for the
   blocks past the used ones (the GEMM programs of those blocks exit at once).
-- ``block_rows [max_blocks]``: the valid (non-padding) rows of each used block, 1 to ``block_m`` (the
-  GEMMs' tail split runs the partial blocks with smaller tiles); entries past the used blocks are unset.
 - ``inverse [P]``: the sorted position of each pair, -1 for dropped pairs.
 - ``expert_counts [E]``: valid pairs per local expert; ``expert_starts [E]``: first sorted position of
   each expert's group.
@@ -44,7 +42,6 @@ _NUM_WARPS = 4
 class Routing(NamedTuple):
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
-    block_rows: torch.Tensor
     inverse: torch.Tensor
     expert_counts: torch.Tensor
     expert_starts: torch.Tensor
@@ -94,10 +91,9 @@ def _rank_in_chunk(e, valid, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, P, E, max_blocks,
+def _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks,
           BLOCK_M: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr):
-    """From the per-expert counts [NB]: padded starts, the block -> expert map, the valid rows of each
-    block and the padding sentinels.
+    """From the per-expert counts [NB]: padded starts, the block -> expert map and the padding sentinels.
 
     meta layout (int32 [3 * NB]): counts [0, NB), padded starts [NB, 2 NB), scratch [2 NB, 3 NB).
     Returns the padded starts [NB].
@@ -115,14 +111,7 @@ def _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, P, E, 
         b = b0 + tl.arange(0, BB)
         owner = tl.sum((bend[None, :] <= b[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, tl.where(b < total_blocks, owner, -1), mask=b < max_blocks)
-    tl.debug_barrier()  # counts, starts and owners are now visible to every thread of the program
-    for b0 in range(0, max_blocks, BB):
-        b = b0 + tl.arange(0, BB)
-        used = b < total_blocks
-        owner = tl.load(block_expert_ptr + b, mask=used, other=0)
-        c = tl.load(meta_ptr + owner, mask=used, other=0)
-        s = tl.load(meta_ptr + NB + owner, mask=used, other=0)
-        tl.store(block_rows_ptr + b, tl.minimum(c - (b * BLOCK_M - s), BLOCK_M), mask=used)
+    tl.debug_barrier()  # counts and starts in meta are now visible to every thread of the program
     r = tl.arange(0, BLOCK_M)
     for e0 in range(0, E, EB):
         ex = e0 + tl.arange(0, EB)
@@ -137,8 +126,7 @@ def _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, P, E, 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
 def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map,
-                         sorted_ptr, block_expert_ptr, block_rows_ptr, inverse_ptr, meta_ptr, max_blocks,
-                         BLOCK_M: tl.constexpr,
+                         sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, BLOCK_M: tl.constexpr,
                          NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr):
     """Routing in one program: histogram pass, plan, then a scatter pass with per-expert running offsets."""
     nb = tl.arange(0, NB)
@@ -147,8 +135,7 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
     for c0 in range(0, P, CHUNK):
         e, valid = local_expert(ids_ptr, c0 + offs, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
         counts += _chunk_histogram(e, valid, NB)
-    running = _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, P, E, max_blocks, BLOCK_M, NB,
-                    BB, EB)
+    running = _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M, NB, BB, EB)
     for c0 in range(0, P, CHUNK):
         p = c0 + offs
         e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
@@ -174,8 +161,7 @@ def _route_count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, 
 
 
 @triton.jit(do_not_specialize=["E", "P", "max_blocks", "num_chunks"])
-def _route_plan_kernel(chunk_counts_ptr, num_chunks, E, P, sorted_ptr, block_expert_ptr, block_rows_ptr, meta_ptr,
-                       max_blocks,
+def _route_plan_kernel(chunk_counts_ptr, num_chunks, E, P, sorted_ptr, block_expert_ptr, meta_ptr, max_blocks,
                        BLOCK_M: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr,
                        CB: tl.constexpr):
     """One program: turns chunk_counts into exclusive per-expert prefixes over chunks (in place), then plans.
@@ -193,7 +179,7 @@ def _route_plan_kernel(chunk_counts_ptr, num_chunks, E, P, sorted_ptr, block_exp
         incl = tl.cumsum(rows, axis=0)
         tl.store(ptrs, incl - rows + running[None, :], mask=ok)
         running += tl.sum(rows, axis=0)
-    _plan(running, meta_ptr, sorted_ptr, block_expert_ptr, block_rows_ptr, P, E, max_blocks, BLOCK_M, NB, BB, EB)
+    _plan(running, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M, NB, BB, EB)
 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
@@ -222,11 +208,9 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     NB = max(32, triton.next_power_of_2(E))
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    block_rows = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     inverse = torch.empty(P, dtype=torch.int32, device=dev)
     meta = torch.empty(3 * NB, dtype=torch.int32, device=dev)
-    routing = Routing(sorted_pairs, block_expert, block_rows, inverse, meta[:E], meta[NB:NB + E], block_m,
-                      max_blocks)
+    routing = Routing(sorted_pairs, block_expert, inverse, meta[:E], meta[NB:NB + E], block_m, max_blocks)
     if P == 0:
         return routing
     has_map = expert_map is not None
@@ -238,14 +222,14 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), map_arg, e_global, E, P, topk, int(has_map))
     if P <= single_program_max_pairs:
         _route_single_kernel[(1,)](
-            *ids_args, sorted_pairs, block_expert, block_rows, inverse, meta, max_blocks,
+            *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks,
             BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, num_warps=_NUM_WARPS)
         return routing
     num_chunks = triton.cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
     _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, NB=NB, CHUNK=CHUNK, num_warps=_NUM_WARPS)
     _route_plan_kernel[(1,)](
-        chunk_counts, num_chunks, E, P, sorted_pairs, block_expert, block_rows, meta, max_blocks,
+        chunk_counts, num_chunks, E, P, sorted_pairs, block_expert, meta, max_blocks,
         BLOCK_M=block_m, NB=NB, BB=BB, EB=EB, CB=min(triton.next_power_of_2(num_chunks), max(1, 4096 // NB)),
         num_warps=_NUM_WARPS)
     _route_scatter_kernel[(num_chunks,)](

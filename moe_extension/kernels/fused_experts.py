@@ -15,14 +15,11 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
   grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
   splits) -> per-slot ``y [splits, M, topk, K]`` -> ``sum_slots``, grid (M, cdiv(K, 2048)) -> ``out``.
   max_blocks = P // block_m + min(P, E) bounds the non-empty expert blocks; programs of the blocks past
-  the used ones read block_expert = -1 and exit at once. With ``tail_m`` each GEMM is two launches: the
-  full blocks with block_m-row tiles, the partial ones (each expert's last) with tail_m-row tiles.
+  the used ones read block_expert = -1 and exit at once.
 No float atomics anywhere: results are bitwise reproducible.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
@@ -70,35 +67,24 @@ def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig) -> TensorDescripto
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, rows, cfg.block_k])
 
 
-def _tail_launches(routing: Routing, cfg: GemmConfig, tail_m: int):
-    """(TAIL mode, BLOCK_M, tile config) of each launch of a sorted GEMM: one over every block, or (tail_m)
-    one over the full blocks and one over the partial blocks' tail_m-row sub-blocks."""
-    if not tail_m:
-        return [(0, routing.block_m, cfg)]
-    # NOTE: the tail tiles hold tail_m rows: 4 warps are enough (8 would idle half of them).
-    return [(1, routing.block_m, cfg), (2, tail_m, dataclasses.replace(cfg, num_warps=min(cfg.num_warps, 4)))]
-
-
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
-                  cfg: GemmConfig, tail_m: int = 0):
+                  cfg: GemmConfig):
     """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N]."""
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
+    grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
     w_desc = _weight_desc(w1, 2 * cfg.block_n if act == kern.ACT_SWIGLUOAI else cfg.block_n, cfg)
-    for tail, block_m, c in _tail_launches(routing, cfg, tail_m):
-        num_blocks = routing.max_blocks * (routing.block_m // block_m)
-        kern.gemm1_sorted_kernel[(num_blocks * triton.cdiv(n_out, c.block_n),)](
-            x, w1, w_desc, bias if bias is not None else out, out, weights if weights is not None else out,
-            routing.sorted_pairs, routing.block_expert, routing.block_rows,
-            routing.inverse.numel(), topk, n_out, two_n // 2, K, num_blocks, int(bias is not None),
-            int(weights is not None),
-            x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
-            out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
-            ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % c.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
-            BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-            W_DESC=w_desc is not None, TAIL=tail, PARENT_M=routing.block_m,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+    kern.gemm1_sorted_kernel[grid](
+        x, w1, w_desc, bias if bias is not None else out, out, weights if weights is not None else out,
+        routing.sorted_pairs, routing.block_expert,
+        routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks, int(bias is not None),
+        int(weights is not None),
+        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
+        out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
+        ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
+        BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        W_DESC=w_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 def effective_splits(N: int, cfg: GemmConfig) -> int:
@@ -107,7 +93,7 @@ def effective_splits(N: int, cfg: GemmConfig) -> int:
     return triton.cdiv(N, per_split)
 
 
-def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, tail_m: int = 0):
+def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig):
     """y [splits, M, topk, K] of the second GEMM; ``a`` is [sorted rows, N] (a_sorted) or [M, topk, N]."""
     E, K, N = w2.shape
     splits = y.shape[0]
@@ -116,22 +102,20 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         stride_am, stride_aj, stride_ak = a.stride(0), 0, a.stride(1)
     else:
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
+    grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
     w_desc = _weight_desc(w2, cfg.block_n, cfg)
-    for tail, block_m, c in _tail_launches(routing, cfg, tail_m):
-        num_blocks = routing.max_blocks * (routing.block_m // block_m)
-        kern.gemm2_sorted_kernel[(num_blocks * triton.cdiv(K, c.block_n), splits)](
-            a, w2, w_desc, bias if bias is not None else y, y, weights if weights is not None else y,
-            routing.sorted_pairs, routing.block_expert, routing.block_rows,
-            routing.inverse.numel(), topk, K, N, num_blocks, k_per_split, int(bias is not None),
-            int(weights is not None), stride_am, stride_aj, stride_ak, w2.stride(0), w2.stride(1), w2.stride(2),
-            _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
-            _stride(weights, 0), _stride(weights, 1),
-            A_SORTED=a_sorted,
-            EVEN_K=(N % c.block_k == 0 and k_per_split % c.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
-            BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-            W_DESC=w_desc is not None, TAIL=tail, PARENT_M=routing.block_m,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+    kern.gemm2_sorted_kernel[grid](
+        a, w2, w_desc, bias if bias is not None else y, y, weights if weights is not None else y,
+        routing.sorted_pairs, routing.block_expert,
+        routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split, int(bias is not None),
+        int(weights is not None), stride_am, stride_aj, stride_ak, w2.stride(0), w2.stride(1), w2.stride(2),
+        _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
+        _stride(weights, 0), _stride(weights, 1),
+        A_SORTED=a_sorted,
+        EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
+        BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        W_DESC=w_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 def _sum_slots(y, inverse, out, topk):
@@ -217,13 +201,12 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             return out
         routing = route(topk_ids, E, cfg.block_m, expert_map)
         a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=dtype, device=dev)
-        _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1,
-                      cfg.tail_m)
+        _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1)
         splits = effective_splits(N, cfg.gemm2)
         # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
         # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
         y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
-        _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, cfg.tail_m)
+        _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2)
         _sum_slots(y, routing.inverse, out, topk)
     return out
 
@@ -248,7 +231,7 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
         else:
             routing = route(topk_ids, E, cfg.block_m, expert_map)
             _gemm1_sorted(hidden_states, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights,
-                          0.0, 0.0, cfg.gemm1, cfg.tail_m)
+                          0.0, 0.0, cfg.gemm1)
     return h
 
 
@@ -269,6 +252,5 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
             _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2)
         else:
             routing = route(topk_ids, E, config.block_m, expert_map)
-            _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2,
-                          config.tail_m)
+            _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2)
     return y
