@@ -164,18 +164,18 @@ std::string dtype_name(at::ScalarType t);
 void float_dtype(const char* op, const char* name, const at::Tensor& t);
 
 void same_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
-                       const at::Tensor& ref);
+                const at::Tensor& ref);
 
 void same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
-                        const at::Tensor& ref);
+                 const at::Tensor& ref);
 
 // The last dim has stride 1 (a last dim of size <= 1 has no meaningful stride).
 void last_dim_contiguous(const char* op, const char* name, const at::Tensor& t);
 
 // moe_sum(input [M, topk, K], output [M, K], topk_ids [M, topk]?, expert_map [E_global]?).
 void moe_sum_args(const at::Tensor& input, const at::Tensor& output,
-                         const std::optional<at::Tensor>& topk_ids,
-                         const std::optional<at::Tensor>& expert_map);
+                  const std::optional<at::Tensor>& topk_ids,
+                  const std::optional<at::Tensor>& expert_map);
 
 // <op>(out [..., d], input [..., 2d]).
 void activation_args(const char* op, const at::Tensor& out, const at::Tensor& input);

@@ -21,6 +21,8 @@ No float atomics anywhere: results are bitwise reproducible.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -49,8 +51,9 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
     return t.stride(dim) if t is not None else 0
 
 
+@functools.lru_cache(maxsize=None)
 def tma_capable(device: torch.device) -> bool:
-    """Whether the device has TMA (sm_90+)."""
+    """Whether the device has TMA (sm_90+); memoized, it is asked on every sorted-path call."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 

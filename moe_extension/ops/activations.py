@@ -24,7 +24,8 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "swiglustep")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    """csrc/checks.h last_dim_contiguous, for the fakes of the native ops (activations, moe_sum)."""
     torch._check(
         t.shape[-1] <= 1 or t.stride(-1) == 1,
         lambda: f"{op}: {name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}",
@@ -57,8 +58,8 @@ def _check_activation(op: str, out: torch.Tensor, input: torch.Tensor) -> None:
         out.shape[-1] == width // 2,
         lambda: f"{op}: out width (last dim) must be half the input width = {width // 2}, got {out.shape[-1]}",
     )
-    _check_last_dim_contiguous(op, "input", input)
-    _check_last_dim_contiguous(op, "out", out)
+    check_last_dim_contiguous(op, "input", input)
+    check_last_dim_contiguous(op, "out", out)
 
 
 @torch.library.register_fake("moe_ext::silu_and_mul")

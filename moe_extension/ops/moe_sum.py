@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from moe_extension.ops.activations import check_last_dim_contiguous
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
 def _dtype_check(cond: bool, message: str) -> None:
     torch._check_type(cond, lambda: message)
-
-
-def _check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
-    torch._check(
-        t.shape[-1] <= 1 or t.stride(-1) == 1,
-        lambda: f"{op}: {name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}",
-    )
 
 
 def _check_moe_sum(input, output, topk_ids, expert_map) -> None:
@@ -46,8 +41,8 @@ def _check_moe_sum(input, output, topk_ids, expert_map) -> None:
         output.dim() == 2 and output.shape[0] == m and output.shape[1] == k,
         lambda: f"{op}: output must have shape [M, K] = [{m}, {k}], got {list(output.shape)}",
     )
-    _check_last_dim_contiguous(op, "input", input)
-    _check_last_dim_contiguous(op, "output", output)
+    check_last_dim_contiguous(op, "input", input)
+    check_last_dim_contiguous(op, "output", output)
     if topk_ids is not None:
         torch._check(
             topk_ids.device == input.device,
