@@ -160,6 +160,44 @@ def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
     assert torch.equal(out, ref)
 
 
+def _tail_routing(block_m: int):
+    """topk 1 routing whose expert counts give every kind of block: partial blocks at most block_m / 2 full
+    (tail tiles), partial blocks just above it, full blocks, an empty expert; plus invalid slots."""
+    half = block_m // 2
+    counts = [3, block_m + 5, half, half + 1, 2 * block_m + half, 0]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)] + [torch.tensor([-1, 6, -1])])
+    ids = ids[torch.randperm(ids.numel())].to(torch.int32).view(-1, 1)
+    return torch.rand(ids.shape[0], 1) + 0.05, ids, len(counts)
+
+
+@pytest.mark.parametrize("act", ["swigluoai", "silu", "none"])
+def test_tail_tiles(act):
+    """tail_m: partial blocks with at most tail_m valid rows run tail_m-row tiles in the same launch (the
+    routing has such blocks next to full and barely-partial ones); the results match the reference."""
+    dtype = CASE_DTYPES[1]
+    bm = 32 if DEVICE == "cpu" else 64
+    torch.manual_seed(7)
+    g, ids, E = _tail_routing(bm)
+    g, ids = g.to(DEVICE), ids.to(DEVICE)
+    ex = random_experts(E, 48, 40, dtype=dtype, device=DEVICE, bias=True)
+    x = torch.randn(ids.shape[0], 48, dtype=dtype, device=DEVICE)
+    tile = GemmConfig(16, 16, 4, 2, tail_m=bm // 2)
+    cfg = MoeConfig("sorted", bm, tile, tile)
+    assert configs.sanitize(cfg, dtype, 40, 48) == cfg
+    if act == "none":
+        h = expert_gemm1_triton(x, ex["w1"], ids, w1_bias=ex["w1_bias"], config=cfg)
+        assert_close(h, expert_gemm1_reference(x, ex["w1"], ids, w1_bias=ex["w1_bias"]), tolerance(dtype, DEVICE))
+        a = torch.randn(ids.shape[0], 1, 40, dtype=dtype, device=DEVICE)
+        y = expert_gemm2_triton(a, ex["w2"], ids, w2_bias=ex["w2_bias"], topk_weights=g, config=cfg)
+        ref = expert_gemm2_reference(a, ex["w2"], ids, w2_bias=ex["w2_bias"], topk_weights=g)
+        assert_close(y, ref, tolerance(dtype, DEVICE))
+        return
+    out = fused_experts_triton(x, ex["w1"], ex["w2"], g, ids, act, w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"],
+                               config=cfg)
+    ref = fused_experts_reference(x, ex["w1"], ex["w2"], g, ids, act, w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"])
+    assert_close(out, ref, tolerance(dtype, DEVICE))
+
+
 def test_tma_weights_fall_back_for_transposed_weights(monkeypatch):
     monkeypatch.setattr(fe, "tma_capable", lambda device: True)
     ex = random_experts(3, 32, 16, dtype=torch.float16, device=DEVICE, transposed=True)
@@ -265,8 +303,12 @@ def test_heuristic_configs_are_valid(E, topk, K, N, dtype):
 
 
 def test_sanitize_clamps():
-    wild = MoeConfig("sorted", 100, GemmConfig(300, 200, 3, 9), GemmConfig(8, 8, 4, 7, split_k=64))
+    wild = MoeConfig("sorted", 100, GemmConfig(300, 200, 3, 9, tail_m=100),
+                     GemmConfig(8, 8, 4, 7, split_k=64, tail_m=5))
     cfg = configs.sanitize(wild, torch.bfloat16, 40, 40)
+    assert cfg.gemm1.tail_m == 64 and cfg.gemm2.tail_m == 16, "tails: powers of two in [16, block_m / 2]"
+    direct = MoeConfig("direct", 0, GemmConfig(8, 8, tail_m=32), GemmConfig(8, 8, tail_m=32))
+    assert configs.sanitize(direct, torch.bfloat16, 40, 40).gemm1.tail_m == 0, "no tails on the direct path"
     # 2 stages of 128 x 128 + 128 x 512 bf16 tiles are 320 KB: block_k halves until they fit (160 KB).
     assert cfg.block_m == 128 and cfg.gemm1.block_n == 256 and cfg.gemm1.block_k == 64
     assert cfg.gemm1.num_warps == 4 and cfg.gemm1.num_stages == 2

@@ -11,6 +11,10 @@ Grouped (expert-sorted) kernels, walking the blocks of ``_routing.route``:
 - ``gemm2_sorted_kernel``: rows of ``a`` (sorted positions or pairs) times ``W2[e]^T`` ([E, K, N]), bias,
   router weight; writes per-slot rows ``y[split, t, j, :]`` (optionally split over the reduction dim).
 - ``sum_slots_kernel``: ``out[t] = sum_{split, j valid} y[split, t, j]`` in a fixed order (deterministic).
+Both GEMMs compute one output tile in ``_gemm1_block`` / ``_gemm2_block``; with ``TAIL_M`` set, a block
+whose valid rows (they come first, padding last) number at most TAIL_M runs a TAIL_M-row tile: an expert's
+last, partial block costs a fraction of a full one, in the same launch as the expert's full blocks (whose
+weight tiles it then reads from L2).
 
 Direct (per-pair GEMV) kernels for tiny batches, no routing needed:
 - ``gemv1_kernel``: one program per (pair, tile of outputs), same epilogue as gemm1.
@@ -86,31 +90,21 @@ def _grouped_tile(pid, num_blocks_m, num_tiles_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
-def gemm1_sorted_kernel(
-    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
-    P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-    ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr,
-):
-    """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
+@triton.jit
+def _valid_rows(sorted_ptr, row0, P, BLOCK_M: tl.constexpr):
+    """Valid (non-padding) rows of the block at sorted row0: they come first, the sentinel P pads."""
+    return tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < P).to(tl.int32), axis=0)
 
-    W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
-    [1, weight rows per tile, BLOCK_K]; rows and columns past the end read as 0), instead of pointers.
 
-    NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
-    specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
-    and flag settings share one compiled kernel, so cold starts (bare GPU machine, tests, tuning) compile
-    few variants.
-    """
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, n0,
+                 P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+                 stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                 stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+                 ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr):
+    """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``)."""
+    rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
     # Padding rows read token 0 (always in bounds) and are never stored: no mask on the A loads.
@@ -118,22 +112,21 @@ def gemm1_sorted_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
-    n0 = pid_n * BLOCK_N
     # Weight rows wrap modulo their range (in bounds, no mask); the columns they feed are not stored.
     if ACT == 0:
         wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
         w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     elif ACT == 4:
         wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
         w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BM, 2 * BLOCK_N], dtype=tl.float32)
     else:
         wr = (n0 + tl.arange(0, BLOCK_N)) % N_HALF
         w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
         u_ptrs = w_ptrs + N_HALF * stride_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -172,7 +165,7 @@ def gemm1_sorted_kernel(
     if ACT == 0:
         result = acc
     elif ACT == 4:
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        gate, up = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
         result = activate(gate, up, alpha, limit, ACT)
     else:
         acc_u = acc_u * g[:, None]
@@ -188,30 +181,58 @@ def gemm1_sorted_kernel(
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
 
 
-@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
-def gemm2_sorted_kernel(
-    a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
-    P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
-    stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-    A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr,
-):
-    """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
-    Rows of ``a``: the sorted position (A_SORTED, stride_am) or the pair (stride_am per token, stride_aj
-    per slot). program_id(1) is the split of the reduction dim (k_per_split, a multiple of BLOCK_K, each).
-    EVEN_K: every split's range is full BLOCK_K steps inside K. has_bias / apply_weight: runtime flags.
-    W_DESC: weight tiles through the TMA descriptor ``w_desc`` of w [E, N_OUT, K] (block [1, BLOCK_N,
-    BLOCK_K]); a tile reaching past this split's range is multiplied by the masked (zero) columns of ``a``.
+
+@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
+def gemm1_sorted_kernel(
+    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+    ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_DESC: tl.constexpr, TAIL_M: tl.constexpr,
+):
+    """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
+
+    TAIL_M (0: off): a block with at most TAIL_M valid rows (an expert's last, partial block) runs a TAIL_M-row
+    tile instead, in the same launch and L2 group as its expert's full blocks.
+    W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
+    [1, weight rows per tile, BLOCK_K]; rows and columns past the end read as 0), instead of pointers.
+
+    NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
+    specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
+    and flag settings share one compiled kernel, so cold starts (bare GPU machine, tests, tuning) compile
+    few variants.
     """
     pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
-    split = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
+        _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N,
+                     P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC)
+    else:
+        _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N,
+                     P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC)
+
+
+@triton.jit
+def _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, n0, split,
+                 P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
+                 stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                 stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
+                 A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr):
+    """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0.."""
+    rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
     safe_pair = tl.where(row_ok, pair, 0)
@@ -226,11 +247,10 @@ def gemm2_sorted_kernel(
     else:
         a_rows = t.to(tl.int64) * stride_am + j * stride_aj
     a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak
-    n0 = pid_n * BLOCK_N
     wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + wr.to(tl.int64)[None, :] * stride_wn
               + offs_k[:, None] * stride_wk)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(k_start + k_per_split, K)
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
         if EVEN_K:
@@ -258,6 +278,47 @@ def gemm2_sorted_kernel(
     y_rows = split.to(tl.int64) * stride_ys + t.to(tl.int64) * stride_yt + j.to(tl.int64) * stride_yj
     y_ptrs = y_ptr + y_rows[:, None] + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
+
+
+
+
+@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
+def gemm2_sorted_kernel(
+    a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
+    stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
+    A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_DESC: tl.constexpr, TAIL_M: tl.constexpr,
+):
+    """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
+
+    Rows of ``a``: the sorted position (A_SORTED, stride_am) or the pair (stride_am per token, stride_aj
+    per slot). program_id(1) is the split of the reduction dim (k_per_split, a multiple of BLOCK_K, each).
+    EVEN_K: every split's range is full BLOCK_K steps inside K. has_bias / apply_weight: runtime flags.
+    TAIL_M: as in gemm1 (blocks with at most TAIL_M valid rows run a TAIL_M-row tile).
+    W_DESC: weight tiles through the TMA descriptor ``w_desc`` of w [E, N_OUT, K] (block [1, BLOCK_N,
+    BLOCK_K]); a tile reaching past this split's range is multiplied by the masked (zero) columns of ``a``.
+    """
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    row0 = pid_m * BLOCK_M
+    if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
+        _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N, split,
+                     P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
+                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
+                     A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC)
+    else:
+        _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N, split,
+                     P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
+                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
+                     A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC)
 
 
 @triton.jit(do_not_specialize=["M", "topk", "SPLITS"])

@@ -86,7 +86,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_DESC=w_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -117,7 +117,7 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         A_SORTED=a_sorted,
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_DESC=w_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
