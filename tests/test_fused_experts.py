@@ -63,7 +63,11 @@ def test_half_precision(device, dtype, quant, activation):
     args, kwargs = make_case(17, 4, quant, dtype=dtype, device=device, bias=True, use_map=True)
     out = fused_experts(*args, activation, **kwargs)
     assert out.dtype == dtype
-    assert_close(out, fused_experts_reference(*args, activation, **kwargs), tolerance(dtype, device))
+    # The quantized formats quantize the fp32 intermediate: an element within fp32 noise of an fp8 / bf16
+    # boundary may round either way (the reference's near-tie bound; without it, 3 of 4 H100 runs of the
+    # fp8 bf16 case failed at rel_err ~1.3e-2).
+    ref, bound = fused_experts_reference(*args, activation, **kwargs, return_bound=True)
+    assert_close(out, ref, tolerance(dtype, device), bound)
 
 
 @pytest.mark.parametrize("device", DEVICES)
