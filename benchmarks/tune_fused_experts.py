@@ -210,6 +210,7 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
         routings = [route(ids, E, bm) for _, _, ids in sets]
         t_route = time_us(lambda i: route(sets[i % n][2], E, bm), n)
         a_ws = [torch.randn(r.max_blocks * bm, N, dtype=dtype, device=w1.device) for r in routings]
+
         def time_g1(g1):
             t = time_us(lambda i: fe._gemm1_sorted(sets[i % n][0], w1, None, a_ws[i % n], True, routings[i % n],
                                                    topk, act, None, 1.702, 7.0, g1), n)

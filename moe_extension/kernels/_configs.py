@@ -233,8 +233,8 @@ def triton_next_pow2(x: int) -> int:
 
 def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1) -> MoeConfig:
     """Clamp a config to what the kernels accept: power-of-two tiles (>= 16 for tensor-core dots), a
-    tail_m of 0 or 16 .. block_m / 2 (sorted only), a split_k that leaves every split work, and pipelined tiles within the shared-memory budget (the direct
-    second GEMV's tile spans next_pow2(topk) slots)."""
+    tail_m of 0 or 16 .. block_m / 2 (sorted only), a split_k that leaves every split work, and pipelined
+    tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots)."""
     esize = torch.empty((), dtype=dtype).element_size()
     g1, g2 = cfg.gemm1, cfg.gemm2
     if cfg.path == "sorted":

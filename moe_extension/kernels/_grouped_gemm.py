@@ -181,8 +181,6 @@ def _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, ex
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
 
 
-
-
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
     x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
@@ -278,8 +276,6 @@ def _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expe
     y_rows = split.to(tl.int64) * stride_ys + t.to(tl.int64) * stride_yt + j.to(tl.int64) * stride_yj
     y_ptrs = y_ptr + y_rows[:, None] + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
-
-
 
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
