@@ -106,8 +106,8 @@ def gemm2_candidates(block_m: int, small: bool):
 
 
 def with_tma(candidates):
-    """Each candidate with pointer weight loads and with TMA weight loads."""
-    return [g for c in candidates for g in (c, dataclasses.replace(c, tma_weights=True))]
+    """Each candidate with pointer loads and with TMA loads (the weight tiles, and gemm2's sorted rows)."""
+    return [g for c in candidates for g in (c, dataclasses.replace(c, tma_weights=True, tma_a=True))]
 
 
 def tail_variants(g, block_m: int):
@@ -118,16 +118,19 @@ def tail_variants(g, block_m: int):
 
 
 def fastest(time_fn, candidates, block_m: int):
-    """(µs, tile) of the fastest candidate, then of the winner's tail variants; (inf, None) if all fail."""
+    """(µs, tile) of the fastest candidate, then of the winner's tail variants, then of the winner in
+    expert-major tile order (group_m 0); (inf, None) if all fail."""
     best = min(((time_fn(g), g) for g in candidates), key=lambda x: x[0], default=(math.inf, None))
     if best[1] is None:
         return best
-    return min([best] + [(time_fn(g), g) for g in tail_variants(best[1], block_m)], key=lambda x: x[0])
+    best = min([best] + [(time_fn(g), g) for g in tail_variants(best[1], block_m)], key=lambda x: x[0])
+    expert_major = dataclasses.replace(best[1], group_m=0)
+    return min(best, (time_fn(expert_major), expert_major), key=lambda x: x[0])
 
 
 def tile_name(g) -> str:
     return (f"{g.block_n:3d}x{g.block_k:3d} w{g.num_warps} s{g.num_stages} g{g.group_m} split{g.split_k}"
-            f"{' tma' if g.tma_weights else ''}{f' tail{g.tail_m}' if g.tail_m else ''}")
+            f"{' tma' if g.tma_weights else ''}{' tmaA' if g.tma_a else ''}{f' tail{g.tail_m}' if g.tail_m else ''}")
 
 
 def direct_candidates(heuristic):

@@ -44,7 +44,8 @@ ALL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cu
 
 # Tiny tiles keep the interpreter fast; on the GPU they are valid configs too (tl.dot needs >= 16).
 SORTED = MoeConfig("sorted", 16, GemmConfig(16, 16, 4, 2), GemmConfig(16, 16, 4, 2))
-SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(32, 16, 4, 2), GemmConfig(16, 16, 4, 2, split_k=2))
+# Expert-major tile order (group_m 0) on the split config; the others use the grouped order.
+SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(32, 16, 4, 2, group_m=0), GemmConfig(16, 16, 4, 2, group_m=0, split_k=2))
 SORTED_BM32 = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2))
 DIRECT = MoeConfig("direct", 0, GemmConfig(8, 16, 4, 2), GemmConfig(4, 32, 4, 2))
 CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "direct": DIRECT}
@@ -70,7 +71,7 @@ FUSED_CASES = [
     ("sorted", "gelu", 0, 4, 4, 3, 32, 20, dict(emap=True, transposed=True)),
     ("sorted", "gelu_tanh", 1, 6, 1, 4, 40, 24, dict(bias=True)),
     ("sorted", "swiglustep", 0, 3, 6, 8, 24, 16, dict(on_input=True)),
-    ("sorted_split", "silu", 1, 9, 2, 3, 32, 40, dict(bias=True, transposed=True)),
+    ("sorted_split", "silu", 1, 33, 2, 3, 32, 40, dict(bias=True, transposed=True)),  # 2 blocks per expert
     ("sorted_bm32", "swigluoai", 0, 11, 3, 4, 40, 24, dict(bias=True)),
     ("direct", "silu", 0, 1, 3, 6, 40, 24, dict(bias=True)),
     ("direct", "swigluoai", 1, 2, 4, 9, 48, 16, dict(bias=True, on_input=True, emap=True)),
@@ -124,7 +125,7 @@ def test_unfused_gemms_match_reference(cfg, on_input):
 
 def _with_tma(cfg: MoeConfig) -> MoeConfig:
     return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, tma_weights=True),
-                               gemm2=dataclasses.replace(cfg.gemm2, tma_weights=True))
+                               gemm2=dataclasses.replace(cfg.gemm2, tma_weights=True, tma_a=True))
 
 
 # (config, activation, K, N): a K tail step (K = 40 with block_k 16 is even, 56 with 32 is not), N not a
@@ -140,8 +141,8 @@ TMA_CASES = [
 
 @pytest.mark.parametrize("cfg,act,K,N", TMA_CASES)
 def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
-    """tma_weights=True loads the weight tiles through TMA descriptors (sm_90+; in the interpreter, forced
-    on): the results equal the pointer loads' bitwise, and the path is really taken."""
+    """tma_weights=True loads the weight tiles, tma_a=True gemm2's sorted rows, through TMA descriptors (sm_90+;
+    in the interpreter, forced on): the results equal the pointer loads' bitwise, and the path is really taken."""
     if DEVICE == "cpu":
         monkeypatch.setattr(fe, "tma_capable", lambda device: True)
     elif not fe.tma_capable(torch.device(DEVICE)):
@@ -150,6 +151,9 @@ def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
     x, w1, w2, g, ids, kw = _case(9, 3, 5, K, N, dtype, bias=True, emap=True, seed=K + N)
     base, tma = CONFIGS[cfg], _with_tma(CONFIGS[cfg])
     assert fe._weight_desc(w1, 16, tma.gemm1) is not None and fe._weight_desc(w1, 16, base.gemm1) is None
+    a_sorted = torch.empty(64, N, dtype=dtype, device=DEVICE)
+    assert fe._sorted_rows_descs(a_sorted, 16, tma.gemm2)[0] is not None
+    assert fe._sorted_rows_descs(a_sorted, 16, base.gemm2) == (None, None)
     if act == "none":
         ref = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=base)
         out = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=tma)
@@ -170,10 +174,16 @@ def _tail_routing(block_m: int):
     return torch.rand(ids.shape[0], 1) + 0.05, ids, len(counts)
 
 
-@pytest.mark.parametrize("act", ["swigluoai", "silu", "none"])
-def test_tail_tiles(act):
+@pytest.mark.parametrize("act,tma", [("swigluoai", False), ("silu", False), ("none", False), ("swigluoai", True)])
+def test_tail_tiles(monkeypatch, act, tma):
     """tail_m: partial blocks with at most tail_m valid rows run tail_m-row tiles in the same launch (the
-    routing has such blocks next to full and barely-partial ones); the results match the reference."""
+    routing has such blocks next to full and barely-partial ones); the results match the reference. With
+    tma, gemm2's sorted rows come through the block and tail TMA descriptors (forced on in the interpreter), and
+    both GEMMs walk the tiles in expert-major order."""
+    if tma and DEVICE == "cpu":
+        monkeypatch.setattr(fe, "tma_capable", lambda device: True)
+    elif tma and not fe.tma_capable(torch.device(DEVICE)):
+        pytest.skip("needs sm_90+ for TMA")
     dtype = CASE_DTYPES[1]
     bm = 32 if DEVICE == "cpu" else 64
     torch.manual_seed(7)
@@ -182,7 +192,9 @@ def test_tail_tiles(act):
     ex = random_experts(E, 48, 40, dtype=dtype, device=DEVICE, bias=True)
     x = torch.randn(ids.shape[0], 48, dtype=dtype, device=DEVICE)
     tile = GemmConfig(16, 16, 4, 2, tail_m=bm // 2)
-    cfg = MoeConfig("sorted", bm, tile, tile)
+    order = 0 if tma else tile.group_m
+    cfg = MoeConfig("sorted", bm, dataclasses.replace(tile, group_m=order),
+                    dataclasses.replace(tile, tma_weights=tma, tma_a=tma, group_m=order))
     assert configs.sanitize(cfg, dtype, 40, 48) == cfg
     if act == "none":
         h = expert_gemm1_triton(x, ex["w1"], ids, w1_bias=ex["w1_bias"], config=cfg)

@@ -79,15 +79,29 @@ def activate(gate, up, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def _grouped_tile(pid, num_blocks_m, num_tiles_n, GROUP_M: tl.constexpr):
-    """Super-grouped order: GROUP_M row blocks walk the N tiles together, row block fastest, so a weight
-    tile is reused from L2 by the blocks of its expert and an A block by GROUP_M N tiles."""
+def _tile(pid, num_blocks_m, num_tiles_n, block_expert_ptr, counts_ptr, starts_ptr, BLOCK_M: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    """(expert, row block, N tile) of program ``pid``; expert -1 for programs past the used blocks.
+
+    GROUP_M > 0, super-grouped order: GROUP_M row blocks walk the N tiles together, row block fastest, so a
+    weight tile is reused from L2 by the GROUP_M blocks and an A block by the N tiles.
+    GROUP_M = 0, expert-major order: all row blocks of one expert walk its N tiles together (the group is
+    the expert: each weight tile is read from DRAM once), experts in turn. Expert e owns the programs
+    [s_e, s_e + n_e) * num_tiles_n, s_e = its first block, n_e = its block count.
+    """
+    if GROUP_M == 0:
+        expert = tl.load(block_expert_ptr + pid // num_tiles_n)
+        e = tl.maximum(expert, 0)
+        first = tl.load(starts_ptr + e) // BLOCK_M
+        blocks = tl.maximum(tl.cdiv(tl.load(counts_ptr + e), BLOCK_M), 1)
+        local = pid - first * num_tiles_n
+        return expert, first + local % blocks, local // blocks
     per_group = GROUP_M * num_tiles_n
     first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
-    return pid_m, pid_n
+    return tl.load(block_expert_ptr + pid_m), pid_m, pid_n
 
 
 @triton.jit
@@ -183,7 +197,7 @@ def _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, ex
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
-    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr, counts_ptr, starts_ptr,
     P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
@@ -203,8 +217,8 @@ def gemm1_sorted_kernel(
     and flag settings share one compiled kernel, so cold starts (bare GPU machine, tests, tuning) compile
     few variants.
     """
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), block_expert_ptr, counts_ptr,
+                                 starts_ptr, BLOCK_M, GROUP_M)
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
@@ -223,12 +237,13 @@ def gemm1_sorted_kernel(
 
 
 @triton.jit
-def _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, n0, split,
+def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, n0, split,
                  P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                  stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                  stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
                  A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr):
+                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
+                 A_DESC: tl.constexpr):
     """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0.."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
@@ -251,7 +266,9 @@ def _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expe
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(k_start + k_per_split, K)
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
-        if EVEN_K:
+        if A_DESC:
+            a = a_desc.load([row0, k_start + kk * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
         else:
             k_ok = offs_k < k_end - kk * BLOCK_K
@@ -280,13 +297,13 @@ def _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expe
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
 def gemm2_sorted_kernel(
-    a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
-    P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
+    a_ptr, a_desc, a_tail_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr, counts_ptr,
+    starts_ptr, P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr, TAIL_M: tl.constexpr,
+    W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
@@ -296,25 +313,28 @@ def gemm2_sorted_kernel(
     TAIL_M: as in gemm1 (blocks with at most TAIL_M valid rows run a TAIL_M-row tile).
     W_DESC: weight tiles through the TMA descriptor ``w_desc`` of w [E, N_OUT, K] (block [1, BLOCK_N,
     BLOCK_K]); a tile reaching past this split's range is multiplied by the masked (zero) columns of ``a``.
+    A_DESC (A_SORTED only): the rows of ``a`` come through ``a_desc`` (block [BLOCK_M, BLOCK_K]) and, for
+    tail tiles, ``a_tail_desc`` (block [TAIL_M, BLOCK_K]), TMA descriptors of a [rows, N]; columns past N
+    read as 0, and a split's range is whole BLOCK_K steps, so no load crosses into the next split.
     """
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), GROUP_M)
+    expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), block_expert_ptr, counts_ptr,
+                                 starts_ptr, BLOCK_M, GROUP_M)
     split = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
     if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
-        _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N, split,
-                     P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
+        _gemm2_block(a_ptr, a_tail_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
+                     pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                     A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC)
+                     A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
     else:
-        _gemm2_block(a_ptr, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N, split,
-                     P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
+        _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
+                     pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                     A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC)
+                     A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
 
 
 @triton.jit(do_not_specialize=["M", "topk", "SPLITS"])

@@ -70,6 +70,22 @@ def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig) -> TensorDescripto
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, rows, cfg.block_k])
 
 
+def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
+    """TMA descriptors of the sorted intermediate a [rows, N] with blocks [block_m, block_k] and
+    [tail_m, block_k] (None when tail_m = 0), or (None, None) for pointer loads: when cfg does not ask
+    for it or the device or layout does not allow it (sm_90+, 16-bit, rows contiguous, 16-byte aligned)."""
+    if not (cfg.tma_a and tma_capable(a.device)):
+        return None, None
+    esize = a.element_size()
+    if esize != 2 or a.stride(1) != 1 or a.data_ptr() % 16 or a.stride(0) * esize % 16 or cfg.block_k > 256:
+        return None, None
+
+    def desc(rows):
+        return TensorDescriptor(a, list(a.shape), list(a.stride()), [rows, cfg.block_k])
+
+    return desc(block_m), desc(cfg.tail_m) if cfg.tail_m else None
+
+
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
                   cfg: GemmConfig):
     """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N]."""
@@ -79,7 +95,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     w_desc = _weight_desc(w1, 2 * cfg.block_n if act == kern.ACT_SWIGLUOAI else cfg.block_n, cfg)
     kern.gemm1_sorted_kernel[grid](
         x, w1, w_desc, bias if bias is not None else out, out, weights if weights is not None else out,
-        routing.sorted_pairs, routing.block_expert,
+        routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks, int(bias is not None),
         int(weights is not None),
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
@@ -107,9 +123,10 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
     grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
     w_desc = _weight_desc(w2, cfg.block_n, cfg)
+    a_desc, a_tail_desc = _sorted_rows_descs(a, routing.block_m, cfg) if a_sorted else (None, None)
     kern.gemm2_sorted_kernel[grid](
-        a, w2, w_desc, bias if bias is not None else y, y, weights if weights is not None else y,
-        routing.sorted_pairs, routing.block_expert,
+        a, a_desc, a_tail_desc, w2, w_desc, bias if bias is not None else y, y, weights if weights is not None else y,
+        routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split, int(bias is not None),
         int(weights is not None), stride_am, stride_aj, stride_ak, w2.stride(0), w2.stride(1), w2.stride(2),
         _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
@@ -117,7 +134,8 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         A_SORTED=a_sorted,
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
