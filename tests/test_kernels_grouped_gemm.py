@@ -45,7 +45,8 @@ ALL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cu
 # Tiny tiles keep the interpreter fast; on the GPU they are valid configs too (tl.dot needs >= 16).
 SORTED = MoeConfig("sorted", 16, GemmConfig(16, 16, 4, 2), GemmConfig(16, 16, 4, 2))
 # Expert-major tile order (group_m 0) on the split config; the others use the grouped order.
-SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(32, 16, 4, 2, group_m=0), GemmConfig(16, 16, 4, 2, group_m=0, split_k=2))
+SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(32, 16, 4, 2, group_m=0),
+                         GemmConfig(16, 16, 4, 2, group_m=0, split_k=2))
 SORTED_BM32 = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2))
 DIRECT = MoeConfig("direct", 0, GemmConfig(8, 16, 4, 2), GemmConfig(4, 32, 4, 2))
 CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "direct": DIRECT}

@@ -8,11 +8,11 @@ A ``MoeConfig`` picks the schedule of one ``fused_experts`` call:
   deterministic slot sum (4 launches; 6 when the routing takes three).
 
 ``gemm1`` / ``gemm2`` hold the tile of each GEMM: ``block_n`` output columns (of the activation output for
-gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blocks per L2 super-group; 0: expert-major order),
-``split_k`` (sorted gemm2: splits of the reduction dim summed by the slot-sum kernel), ``num_warps``,
-``num_stages``, ``tma_weights`` (sorted: weight tiles loaded by TMA where the layout allows), ``tail_m``
-(sorted: partial blocks with at most tail_m valid rows run tail_m-row tiles), ``tma_a`` (sorted gemm2:
-the sorted intermediate rows loaded by TMA).
+gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blocks per L2 super-group;
+0: expert-major order), ``split_k`` (sorted gemm2: splits of the reduction dim summed by the slot-sum
+kernel), ``num_warps``, ``num_stages``, ``tma_weights`` (sorted: weight tiles loaded by TMA where the layout
+allows), ``tail_m`` (sorted: partial blocks with at most tail_m valid rows run tail_m-row tiles), ``tma_a``
+(sorted gemm2: the sorted intermediate rows loaded by TMA).
 
 Table file (written by ``benchmarks/tune_fused_experts.py``)::
 
