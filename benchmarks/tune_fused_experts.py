@@ -4,8 +4,9 @@ For each model (E, topk, K, N) and token count M it times, by CUDA-graph replay 
 routings (every token picks topk distinct experts, ``torch.rand(M, E).topk``), bf16:
 
 - the sorted path: for each candidate ``block_m`` the routing, each first-GEMM tile candidate and each
-  second-GEMM (+ slot sum) candidate on their own, keeping the fastest of each, then the winner's tail
-  tile heights (``tail_m``); the best ``block_m`` by the sum of the three;
+  second-GEMM (+ slot sum) candidate on their own (each with pointer and with TMA loads), keeping the
+  fastest of each, then the winner's tail tile heights (``tail_m``) and the winner in expert-major tile
+  order (``group_m`` 0); the best ``block_m`` by the sum of the three;
 - the direct path (tiny M only): each GEMV candidate of both GEMMs;
 then times the best of each path end to end through ``fused_experts_triton`` and keeps the faster. The
 winner is checked against the heuristic's output (rel err <= 1e-2) before it is written.

@@ -57,15 +57,18 @@ def tma_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
+    """Whether TMA can load [.., block_k] tiles of t: 16-bit elements, last dim contiguous, base and outer
+    strides 16-byte aligned, the reduction box within 256."""
+    esize = t.element_size()
+    return (esize == 2 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * esize % 16 == 0 for s in t.stride()[:-1]) and block_k <= 256)
+
+
 def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig) -> TensorDescriptor | None:
     """TMA descriptor of w [E, out, in] with block [1, rows, block_k] when cfg asks for it and the device
-    and layout allow it (sm_90+, 16-bit, last dim contiguous, 16-byte aligned base and strides, box dims
-    within 256); None selects the pointer loads."""
-    if not (cfg.tma_weights and tma_capable(w.device)):
-        return None
-    esize = w.element_size()
-    aligned = w.data_ptr() % 16 == 0 and all(s * esize % 16 == 0 for s in w.stride()[:2])
-    if esize != 2 or w.stride(2) != 1 or not aligned or rows > 256 or cfg.block_k > 256:
+    (sm_90+) and layout (``_tma_layout_ok``, rows within 256) allow it; None selects the pointer loads."""
+    if not (cfg.tma_weights and tma_capable(w.device) and _tma_layout_ok(w, cfg.block_k)) or rows > 256:
         return None
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, rows, cfg.block_k])
 
@@ -73,11 +76,8 @@ def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig) -> TensorDescripto
 def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
     """TMA descriptors of the sorted intermediate a [rows, N] with blocks [block_m, block_k] and
     [tail_m, block_k] (None when tail_m = 0), or (None, None) for pointer loads: when cfg does not ask
-    for it or the device or layout does not allow it (sm_90+, 16-bit, rows contiguous, 16-byte aligned)."""
-    if not (cfg.tma_a and tma_capable(a.device)):
-        return None, None
-    esize = a.element_size()
-    if esize != 2 or a.stride(1) != 1 or a.data_ptr() % 16 or a.stride(0) * esize % 16 or cfg.block_k > 256:
+    for it or the device (sm_90+) or layout (``_tma_layout_ok``) does not allow it."""
+    if not (cfg.tma_a and tma_capable(a.device) and _tma_layout_ok(a, cfg.block_k)):
         return None, None
 
     def desc(rows):
