@@ -1,6 +1,7 @@
 """Device routing (moe_extension.kernels._routing.route): expert-sorted, block-padded order of the (token, slot)
 pairs, checked against a host computation. Runs in Triton's interpreter on CPU tensors (tiny shapes) and on
-CUDA when available; both schedules (one program; three launches), every kind of invalid slot.
+CUDA when available; both schedules (one program; three launches, the chunk prefix in one or
+several steps), every kind of invalid slot.
 """
 
 import pytest
@@ -78,6 +79,18 @@ def test_route_matches_host(device, M, topk, E, block_m, id_dtype, with_map, sin
         ids.view(-1)[1] = 2**32 + 1  # must not wrap into a valid int32 id
     r = route(ids.to(device), E, block_m, expert_map, single_program_max_pairs=single_max)
     _check(r, ids, E, block_m, expert_map)
+
+
+@pytest.mark.parametrize("device", GPU_DEVICES)
+@pytest.mark.parametrize("M,topk,E,block_m,prefix_rows", [
+    (100, 8, 512, 16, 2),  # 7 chunks, prefix in 4 steps; each scatter program pads 74 experts
+    (333, 3, 3, 32, 4),  # 8 chunks, 2 steps; 3 experts for 8 programs: some pad none
+])
+def test_route_prefix_steps_and_plan_shares(device, M, topk, E, block_m, prefix_rows):
+    g = torch.Generator().manual_seed(M + E)
+    ids = torch.randint(-1, E + 1, (M, topk), generator=g, dtype=torch.int32)
+    r = route(ids.to(device), E, block_m, single_program_max_pairs=0, prefix_rows=prefix_rows)
+    _check(r, ids, E, block_m)
 
 
 @pytest.mark.parametrize("device", GPU_DEVICES)

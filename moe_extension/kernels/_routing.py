@@ -18,7 +18,9 @@ non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_
   each expert's group.
 
 Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one launch: the
-decode case), otherwise three launches (per-chunk histograms, one planning program, per-chunk scatter).
+decode case), otherwise three launches: per-chunk histograms; per-expert prefixes over the chunks (NB / 16
+programs, independent columns); per-chunk scatter, whose programs also write the plan (padded starts, the
+block -> expert map, the padding), each a share of it.
 """
 
 from __future__ import annotations
@@ -32,10 +34,18 @@ import triton.language as tl
 # NOTE: pairs handled per loop step / per program. 128 = one element per thread at num_warps=4, so the
 # histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
 CHUNK = 128
-# NOTE: up to this many pairs one program does all the routing (one launch instead of three: ~2-4 us of
-# launch gaps saved at decode). Its cost grows with P (sequential chunks in one CTA); past a few chunks
-# the three-launch schedule is faster. To be measured on the H100 (P = 512 is 4 chunks).
-SINGLE_PROGRAM_MAX_PAIRS = 512
+# NOTE: up to this many pairs (one chunk) one program does all the routing: one launch instead of three.
+# Its cost grows with every chunk it walks, so from two chunks on the three launches win. H100, E = 128,
+# block_m 16, one program -> three launches: P = 128 7.5 -> 9.2 us, P = 256 10.6 -> 8.6 us, P = 512
+# 16.7 -> 7.9 us (E = 512: 37.6 -> 13.5 us).
+SINGLE_PROGRAM_MAX_PAIRS = CHUNK
+# NOTE: the prefix over chunks runs one program per PREFIX_EXPERTS expert columns (independent scans, 8
+# programs at E = 128) over tiles of up to PREFIX_ROWS chunks ([256, 16] = 4 K elements: one step up to
+# 32 K pairs), and the scatter programs share the plan. It replaced one program that walked all the
+# chunks and planned alone (22 us of the routing's 29 at qwen3 M = 4096). Routing on an H100, block_m
+# 128, old -> new: qwen3 M = 4096 29.2 -> 12.5 us, M = 16384 83 -> 29 us, gpt-oss M = 4096 20.7 -> 11.4 us.
+PREFIX_EXPERTS = 16
+PREFIX_ROWS = 256
 _NUM_WARPS = 4
 
 
@@ -91,37 +101,37 @@ def _rank_in_chunk(e, valid, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks,
-          BLOCK_M: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr):
-    """From the per-expert counts [NB]: padded starts, the block -> expert map and the padding sentinels.
-
-    meta layout (int32 [3 * NB]): counts [0, NB), padded starts [NB, 2 NB), scratch [2 NB, 3 NB).
-    Returns the padded starts [NB].
-    """
-    nb = tl.arange(0, NB)
+def _padded_starts(counts, BLOCK_M: tl.constexpr):
+    """Per-expert padded group starts, block ends and total blocks from the counts [NB]."""
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
     bend = tl.cumsum(nblk, axis=0)
-    starts = (bend - nblk) * BLOCK_M
-    total_blocks = tl.sum(nblk, axis=0)
-    tl.store(meta_ptr + nb, counts)
-    tl.store(meta_ptr + NB + nb, starts)
+    return (bend - nblk) * BLOCK_M, bend, tl.sum(nblk, axis=0)
+
+
+@triton.jit
+def _write_block_experts(bend, total_blocks, block_expert_ptr, b_lo, b_hi, BB: tl.constexpr):
+    """block_expert[b] for b in [b_lo, b_hi): the owner of block b, -1 past the used blocks."""
     # Block b belongs to the expert whose block range [bend - nblk, bend) holds it, i.e. to the number of
     # experts whose range ends at or before b (empty experts end where the next one starts).
-    for b0 in range(0, max_blocks, BB):
+    for b0 in range(b_lo, b_hi, BB):
         b = b0 + tl.arange(0, BB)
         owner = tl.sum((bend[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(b < total_blocks, owner, -1), mask=b < max_blocks)
-    tl.debug_barrier()  # counts and starts in meta are now visible to every thread of the program
+        tl.store(block_expert_ptr + b, tl.where(b < total_blocks, owner, -1), mask=b < b_hi)
+
+
+@triton.jit
+def _write_padding(counts, starts, sorted_ptr, P, e_lo, e_hi, BLOCK_M: tl.constexpr, EB: tl.constexpr):
+    """The sentinel P in the padding rows [start + count, padded end) of the experts in [e_lo, e_hi)."""
     r = tl.arange(0, BLOCK_M)
-    for e0 in range(0, E, EB):
+    for e0 in range(e_lo, e_hi, EB):
         ex = e0 + tl.arange(0, EB)
-        c = tl.load(meta_ptr + ex, mask=ex < E, other=0)
-        s = tl.load(meta_ptr + NB + ex, mask=ex < E, other=0)
+        ok = ex < e_hi
+        c = tl.gather(counts, tl.where(ok, ex, 0), 0)
+        s = tl.gather(starts, tl.where(ok, ex, 0), 0)
         pad_end = ((c + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
         slot = c[:, None] + r[None, :]
         tl.store(sorted_ptr + s[:, None] + slot, tl.full([EB, BLOCK_M], 0, tl.int32) + P,
-                 mask=slot < pad_end[:, None])
-    return starts
+                 mask=ok[:, None] & (slot < pad_end[:, None]))
 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
@@ -135,16 +145,16 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
     for c0 in range(0, P, CHUNK):
         e, valid = local_expert(ids_ptr, c0 + offs, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
         counts += _chunk_histogram(e, valid, NB)
-    running = _plan(counts, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M, NB, BB, EB)
+    starts, bend, total_blocks = _padded_starts(counts, BLOCK_M)
+    tl.store(meta_ptr + nb, counts)
+    tl.store(meta_ptr + NB + nb, starts)
+    _write_block_experts(bend, total_blocks, block_expert_ptr, 0, max_blocks, BB)
+    _write_padding(counts, starts, sorted_ptr, P, 0, E, BLOCK_M, EB)
+    running = starts
     for c0 in range(0, P, CHUNK):
         p = c0 + offs
         e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-        # Gather running[e] through global scratch (registers cannot be indexed by a tensor of indices).
-        tl.store(meta_ptr + 2 * NB + nb, running)
-        tl.debug_barrier()
-        base = tl.load(meta_ptr + 2 * NB + e, mask=valid, other=0)
-        tl.debug_barrier()  # every thread has read the scratch before the next step overwrites it
-        pos = base + _rank_in_chunk(e, valid, CHUNK)
+        pos = tl.gather(running, tl.where(valid, e, 0), 0) + _rank_in_chunk(e, valid, CHUNK)
         tl.store(sorted_ptr + pos, p, mask=valid)
         tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
         running += _chunk_histogram(e, valid, NB)
@@ -160,43 +170,53 @@ def _route_count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, 
     tl.store(chunk_counts_ptr + c * NB + tl.arange(0, NB), _chunk_histogram(e, valid, NB))
 
 
-@triton.jit(do_not_specialize=["E", "P", "max_blocks", "num_chunks"])
-def _route_plan_kernel(chunk_counts_ptr, num_chunks, E, P, sorted_ptr, block_expert_ptr, meta_ptr, max_blocks,
-                       BLOCK_M: tl.constexpr, NB: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr,
-                       CB: tl.constexpr):
-    """One program: turns chunk_counts into exclusive per-expert prefixes over chunks (in place), then plans.
-
-    NOTE: CB chunk rows per step (one [CB, NB] tile load, a prefix sum down the rows, 4 K elements: no
-    spills): one memory round trip per CB chunks instead of one per chunk (256 chunks at qwen3 M = 4096).
-    """
-    nb = tl.arange(0, NB)
+@triton.jit(do_not_specialize=["num_chunks"])
+def _route_prefix_kernel(chunk_counts_ptr, num_chunks, meta_ptr, NB: tl.constexpr, EC: tl.constexpr,
+                         CB: tl.constexpr):
+    """Per column of EC experts: chunk_counts becomes the exclusive prefix over the chunks (in place), and
+    the column totals (the expert counts) go to meta[0, NB). Columns are independent: NB / EC programs."""
+    ex = tl.program_id(0) * EC + tl.arange(0, EC)
     cb = tl.arange(0, CB)
-    running = tl.zeros([NB], dtype=tl.int32)
+    running = tl.zeros([EC], dtype=tl.int32)
     for c0 in range(0, num_chunks, CB):
-        ptrs = chunk_counts_ptr + (c0 + cb)[:, None] * NB + nb[None, :]
+        ptrs = chunk_counts_ptr + (c0 + cb)[:, None] * NB + ex[None, :]
         ok = (c0 + cb < num_chunks)[:, None]
         rows = tl.load(ptrs, mask=ok, other=0)
-        incl = tl.cumsum(rows, axis=0)
-        tl.store(ptrs, incl - rows + running[None, :], mask=ok)
+        tl.store(ptrs, tl.cumsum(rows, axis=0) - rows + running[None, :], mask=ok)
         running += tl.sum(rows, axis=0)
-    _plan(running, meta_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M, NB, BB, EB)
+    tl.store(meta_ptr + ex, running)
 
 
-@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
+@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks",
+                               "blocks_per_program", "experts_per_program"])
 def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
-                          sorted_ptr, inverse_ptr, meta_ptr, NB: tl.constexpr, CHUNK: tl.constexpr):
-    """Per chunk: position = expert start + pairs of the expert in earlier chunks + rank inside the chunk."""
+                          sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, blocks_per_program,
+                          experts_per_program, BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
+                          BB: tl.constexpr, EB: tl.constexpr):
+    """Per chunk: position = padded expert start + pairs of the expert in earlier chunks + rank inside the
+    chunk. Each program also writes its share of the plan: program 0 the padded starts, every program the
+    block -> expert map of blocks_per_program blocks and the padding of experts_per_program experts."""
     c = tl.program_id(0)
+    counts = tl.load(meta_ptr + tl.arange(0, NB))
+    starts, bend, total_blocks = _padded_starts(counts, BLOCK_M)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-    base = tl.load(meta_ptr + NB + e, mask=valid, other=0) + tl.load(chunk_counts_ptr + c * NB + e, mask=valid, other=0)
+    e_safe = tl.where(valid, e, 0)
+    base = tl.gather(starts, e_safe, 0) + tl.load(chunk_counts_ptr + c * NB + e_safe)
     pos = base + _rank_in_chunk(e, valid, CHUNK)
     tl.store(sorted_ptr + pos, p, mask=valid)
     tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
+    if c == 0:
+        tl.store(meta_ptr + NB + tl.arange(0, NB), starts)
+    b_lo = c * blocks_per_program
+    _write_block_experts(bend, total_blocks, block_expert_ptr, b_lo, tl.minimum(b_lo + blocks_per_program, max_blocks),
+                         BB)
+    e_lo = c * experts_per_program
+    _write_padding(counts, starts, sorted_ptr, P, e_lo, tl.minimum(e_lo + experts_per_program, E), BLOCK_M, EB)
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
-          single_program_max_pairs: int = SINGLE_PROGRAM_MAX_PAIRS) -> Routing:
+          single_program_max_pairs: int = SINGLE_PROGRAM_MAX_PAIRS, prefix_rows: int = PREFIX_ROWS) -> Routing:
     """Expert-sorted, ``block_m``-padded order of the pairs of ``topk_ids [M, topk]`` (int32/int64, any
     strides) over ``num_experts`` local experts; ``expert_map [E_global]`` int32 maps global to local ids.
     """
@@ -209,7 +229,8 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     inverse = torch.empty(P, dtype=torch.int32, device=dev)
-    meta = torch.empty(3 * NB, dtype=torch.int32, device=dev)
+    # meta: counts [0, NB), padded starts [NB, 2 NB)
+    meta = torch.empty(2 * NB, dtype=torch.int32, device=dev)
     routing = Routing(sorted_pairs, block_expert, inverse, meta[:E], meta[NB:NB + E], block_m, max_blocks)
     if P == 0:
         return routing
@@ -228,10 +249,11 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     num_chunks = triton.cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
     _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, NB=NB, CHUNK=CHUNK, num_warps=_NUM_WARPS)
-    _route_plan_kernel[(1,)](
-        chunk_counts, num_chunks, E, P, sorted_pairs, block_expert, meta, max_blocks,
-        BLOCK_M=block_m, NB=NB, BB=BB, EB=EB, CB=min(triton.next_power_of_2(num_chunks), max(1, 4096 // NB)),
-        num_warps=_NUM_WARPS)
+    _route_prefix_kernel[(NB // PREFIX_EXPERTS,)](
+        chunk_counts, num_chunks, meta, NB=NB, EC=PREFIX_EXPERTS,
+        CB=min(triton.next_power_of_2(num_chunks), prefix_rows), num_warps=_NUM_WARPS)
     _route_scatter_kernel[(num_chunks,)](
-        *ids_args, chunk_counts, sorted_pairs, inverse, meta, NB=NB, CHUNK=CHUNK, num_warps=_NUM_WARPS)
+        *ids_args, chunk_counts, sorted_pairs, block_expert, inverse, meta, max_blocks,
+        triton.cdiv(max_blocks, num_chunks), triton.cdiv(E, num_chunks),
+        BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, num_warps=_NUM_WARPS)
     return routing

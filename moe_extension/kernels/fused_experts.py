@@ -11,7 +11,7 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
 - direct (decode: M = 1, or P * 8 <= E): 2 launches. ``gemv1`` (+ activation), grid
   (cdiv(N, BN), P) -> ``a [P, N]``; ``gemv2`` over each token's slots (the topk sum fused, fixed order),
   grid (cdiv(K, BN), M) -> ``out [M, K]``.
-- sorted: 4 launches (6 when P > 512: the routing takes three). ``route`` -> ``gemm1`` (+ activation),
+- sorted: 4 launches (6 when P > 128: the routing takes three). ``route`` -> ``gemm1`` (+ activation),
   grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
   splits) -> per-slot ``y [splits, M, topk, K]`` -> ``sum_slots``, grid (M, cdiv(K, 2048)) -> ``out``.
   max_blocks = P // block_m + min(P, E) bounds the non-empty expert blocks; programs of the blocks past
