@@ -219,6 +219,10 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
           single_program_max_pairs: int = SINGLE_PROGRAM_MAX_PAIRS, prefix_rows: int = PREFIX_ROWS) -> Routing:
     """Expert-sorted, ``block_m``-padded order of the pairs of ``topk_ids [M, topk]`` (int32/int64, any
     strides) over ``num_experts`` local experts; ``expert_map [E_global]`` int32 maps global to local ids.
+
+    Schedule knobs (the tests set them to reach both schedules and multi-step prefixes; the results do not
+    depend on them): ``single_program_max_pairs``, the largest P routed by one program;
+    ``prefix_rows`` (a power of two), the chunks per step of the prefix kernel.
     """
     M, topk = topk_ids.shape
     P = M * topk
