@@ -4,9 +4,10 @@ For each model (E, topk, K, N) and token count M it times, by CUDA-graph replay 
 routings (every token picks topk distinct experts, ``torch.rand(M, E).topk``), bf16:
 
 - the sorted path: for each candidate ``block_m`` the routing, each first-GEMM tile candidate and each
-  second-GEMM (+ slot sum) candidate on their own (each with pointer and with TMA loads), keeping the
-  fastest of each, then the winner's tail tile heights (``tail_m``) and the winner in expert-major tile
-  order (``group_m`` 0); the best ``block_m`` by the sum of the three;
+  second-GEMM (+ slot sum) candidate on their own (each with pointer and with TMA loads; the first GEMM
+  also with TMA weight tiles and pointer-gathered token rows), keeping the fastest of each, then the
+  winner's tail tile heights (``tail_m``) and the winner in expert-major tile order (``group_m`` 0); the
+  best ``block_m`` by the sum of the three;
 - the direct path (tiny M only): each GEMV candidate of both GEMMs;
 then times the best of each path end to end through ``fused_experts_triton`` and keeps the faster. The
 winner is checked against the heuristic's output (rel err <= 1e-2) before it is written.
@@ -15,8 +16,9 @@ The table goes to ``<out>/<device>.json`` (the file ``moe_extension/kernels/_con
 ``moe_extension/configs/``), merged over the table already there for this device. Entries are keyed by
 (E, N, K, topk, dtype, weight layouts); the activation is swigluoai (what the benchmark runs).
 
-The default run (the three benchmark models at M in {1, 16, 64, 256, 1024, 4096}) is sized to take well
-under 4 minutes on an H100, most of it Triton compiles (cached on disk for the next run). CUDA only.
+The default run (the three benchmark models at M in {1, 16, 64, 256, 1024, 4096}) was sized to take well
+under 4 minutes on an H100, most of it Triton compiles (cached on disk for the next run), before the first
+GEMM's third load variant (a third more first-GEMM candidates; not re-timed). CUDA only.
 """
 
 from __future__ import annotations
@@ -106,9 +108,12 @@ def gemm2_candidates(block_m: int, small: bool):
             G(128, 64, 8, 4, group_m=16)]
 
 
-def with_tma(candidates):
-    """Each candidate with pointer loads and with TMA loads (the weight tiles, and gemm2's sorted rows)."""
-    return [g for c in candidates for g in (c, dataclasses.replace(c, tma_weights=True, tma_a=True))]
+def with_tma(candidates, weights_only: bool = False):
+    """Each candidate with pointer loads and with TMA loads of the weight tiles and the A rows (gemm2: its
+    sorted rows; gemm1: the token rows copied into sorted order, the copy timed with it); with
+    ``weights_only`` (gemm1) also with TMA loads of the weight tiles alone."""
+    loads = [(True, True)] + ([(True, False)] if weights_only else [])
+    return [g for c in candidates for g in [c] + [dataclasses.replace(c, tma_weights=w, tma_a=a) for w, a in loads]]
 
 
 def tail_variants(g, block_m: int):
@@ -238,7 +243,7 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
 
         few_blocks = (M * topk / bm + min(M * topk, E)) * math.ceil(K / 64) < 4 * 132
         g1_best = fastest(time_g1, [sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm1
-                                    for g in with_tma(gemm1_candidates(bm))], bm)
+                                    for g in with_tma(gemm1_candidates(bm), weights_only=True)], bm)
         g2_best = fastest(time_g2, [sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm2
                                     for g in with_tma(gemm2_candidates(bm, few_blocks))], bm)
         total = t_route + g1_best[0] + g2_best[0]

@@ -125,7 +125,7 @@ def test_unfused_gemms_match_reference(cfg, on_input):
 
 
 def _with_tma(cfg: MoeConfig) -> MoeConfig:
-    return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, tma_weights=True),
+    return dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, tma_weights=True, tma_a=True),
                                gemm2=dataclasses.replace(cfg.gemm2, tma_weights=True, tma_a=True))
 
 
@@ -142,8 +142,9 @@ TMA_CASES = [
 
 @pytest.mark.parametrize("cfg,act,K,N", TMA_CASES)
 def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
-    """tma_weights=True loads the weight tiles, tma_a=True gemm2's sorted rows, through TMA descriptors (sm_90+;
-    in the interpreter, forced on): the results equal the pointer loads' bitwise, and the path is really taken."""
+    """tma_weights=True loads the weight tiles, tma_a=True gemm2's sorted rows and gemm1's token rows (copied
+    into sorted order first), through TMA descriptors (sm_90+; in the interpreter, forced on): the results
+    equal the pointer loads' bitwise, and the path is really taken."""
     if DEVICE == "cpu":
         monkeypatch.setattr(fe, "tma_capable", lambda device: True)
     elif not fe.tma_capable(torch.device(DEVICE)):
@@ -155,6 +156,9 @@ def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
     a_sorted = torch.empty(64, N, dtype=dtype, device=DEVICE)
     assert fe._sorted_rows_descs(a_sorted, 16, tma.gemm2)[0] is not None
     assert fe._sorted_rows_descs(a_sorted, 16, base.gemm2) == (None, None)
+    routing = route(ids, 5, tma.block_m)
+    assert fe._gathered_rows_descs(x, routing, 3, tma.gemm1)[0] is not None
+    assert fe._gathered_rows_descs(x, routing, 3, base.gemm1) == (None, None)
     if act == "none":
         ref = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=base)
         out = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=tma)
@@ -194,7 +198,7 @@ def test_tail_tiles(monkeypatch, act, tma):
     x = torch.randn(ids.shape[0], 48, dtype=dtype, device=DEVICE)
     tile = GemmConfig(16, 16, 4, 2, tail_m=bm // 2)
     order = 0 if tma else tile.group_m
-    cfg = MoeConfig("sorted", bm, dataclasses.replace(tile, group_m=order),
+    cfg = MoeConfig("sorted", bm, dataclasses.replace(tile, group_m=order, tma_a=tma),
                     dataclasses.replace(tile, tma_weights=tma, tma_a=tma, group_m=order))
     assert configs.sanitize(cfg, dtype, 40, 48) == cfg
     if act == "none":

@@ -12,7 +12,8 @@ gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blo
 0: expert-major order), ``split_k`` (sorted gemm2: splits of the reduction dim summed by the slot-sum
 kernel), ``num_warps``, ``num_stages``, ``tma_weights`` (sorted: weight tiles loaded by TMA where the layout
 allows), ``tail_m`` (sorted: partial blocks with at most tail_m valid rows run tail_m-row tiles), ``tma_a``
-(sorted gemm2: the sorted intermediate rows loaded by TMA).
+(sorted, fused path: gemm2's sorted intermediate rows, and gemm1's token rows copied into sorted order,
+loaded by TMA).
 
 Table file (written by ``benchmarks/tune_fused_experts.py``)::
 
@@ -58,8 +59,11 @@ class GemmConfig:
     # Sorted path: a block with at most tail_m valid rows (an expert's last, partial block) runs a
     # tail_m-row tile in the same launch (0: every block runs block_m rows).
     tail_m: int = 0
-    # Sorted gemm2 of the fused path: the A operand (the expert-sorted intermediate, contiguous rows per
-    # block) loaded by TMA where the device and layout allow (ignored for gemm1, whose rows are gathered).
+    # Sorted path, fused: the A operand loaded by TMA where the device and layout allow. gemm2's A is the
+    # expert-sorted intermediate (contiguous rows per block); gemm1's token rows are first copied into
+    # sorted order (one extra pass over P rows of x, for TMA instead of gathered pointer loads).
+    # NOTE: H100, gemm1 with the copy: mixtral M = 4096 3114 -> 2889 us + 40 us of copy (a win); qwen3
+    # M = 4096 451 -> 433 us + 62 us of copy (a loss): a per-shape choice of the table.
     tma_a: bool = False
 
 
@@ -247,7 +251,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1) 
     g1, g2 = cfg.gemm1, cfg.gemm2
     if cfg.path == "sorted":
         bm = min(128, max(16, triton_next_pow2(cfg.block_m)))
-        g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm), tma_a=False), bm, 2, 16, esize)
+        g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm)), bm, 2, 16, esize)
         g2 = _fit(dataclasses.replace(g2, tail_m=_tail(g2.tail_m, bm)), bm, 1, 16, esize)
         g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
         return MoeConfig("sorted", bm, g1, g2)

@@ -4,10 +4,12 @@ Pairs ``p = t * topk + j`` of token ``t`` and slot ``j``; ``e`` = local expert o
 ``_routing.local_expert``). Weights come in logical ``[E, out, in]`` layout with any strides.
 
 Grouped (expert-sorted) kernels, walking the blocks of ``_routing.route``:
-- ``gemm1_sorted_kernel``: rows ``x[t]`` gathered by token, times ``W1[e]^T`` ([E, 2N, K]); epilogue:
-  router weight (apply_router_weight_on_input: ``W(g x) = g (W x)``, applied before the bias), bias, then
-  one of the five activations (output ``a`` [rows, N]) or none (output ``h`` [rows, 2N]). Output rows are
-  either the sorted positions (the fused path's workspace) or the pairs (``[M, topk, 2N]``).
+- ``gather_rows_kernel`` (optional): copies the rows ``x[t]`` into sorted order for gemm1's TMA loads.
+- ``gemm1_sorted_kernel``: rows ``x[t]`` gathered by token (or the copied sorted rows), times ``W1[e]^T``
+  ([E, 2N, K]); epilogue: router weight (apply_router_weight_on_input: ``W(g x) = g (W x)``, applied
+  before the bias), bias, then one of the five activations (output ``a`` [rows, N]) or none (output ``h``
+  [rows, 2N]). Output rows are either the sorted positions (the fused path's workspace) or the pairs
+  (``[M, topk, 2N]``).
 - ``gemm2_sorted_kernel``: rows of ``a`` (sorted positions or pairs) times ``W2[e]^T`` ([E, K, N]), bias,
   router weight; writes per-slot rows ``y[split, t, j, :]`` (optionally split over the reduction dim).
 - ``sum_slots_kernel``: ``out[t] = sum_{split, j valid} y[split, t, j]`` in a fixed order (deterministic).
@@ -111,12 +113,13 @@ def _valid_rows(sorted_ptr, row0, P, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, n0,
+def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, n0,
                  P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                  stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                  stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
                  ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr):
+                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
+                 A_DESC: tl.constexpr):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
@@ -142,10 +145,13 @@ def _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, ex
         acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if not EVEN_K:
+            k_ok = offs_k < K - kk * BLOCK_K
+        if A_DESC:
+            a = a_desc.load([row0, kk * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
         else:
-            k_ok = offs_k < K - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         if W_DESC:
             if ACT == 4:
@@ -197,13 +203,13 @@ def _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, ex
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
-    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr, counts_ptr, starts_ptr,
-    P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
+    x_ptr, a_desc, a_tail_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    counts_ptr, starts_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr, TAIL_M: tl.constexpr,
+    W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -211,6 +217,9 @@ def gemm1_sorted_kernel(
     tile instead, in the same launch and L2 group as its expert's full blocks.
     W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
     [1, weight rows per tile, BLOCK_K]; rows and columns past the end read as 0), instead of pointers.
+    A_DESC (OUT_SORTED only): the A rows come in sorted order through ``a_desc`` (block [BLOCK_M, BLOCK_K])
+    and, for tail tiles, ``a_tail_desc`` (block [TAIL_M, BLOCK_K]), TMA descriptors of the rows that
+    ``gather_rows_kernel`` copied (columns past K read as 0), instead of gathered pointer loads of x.
 
     NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
     specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
@@ -223,17 +232,17 @@ def gemm1_sorted_kernel(
         return
     row0 = pid_m * BLOCK_M
     if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
-        _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N,
-                     P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+        _gemm1_block(x_ptr, a_tail_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
+                     pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC)
+                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
     else:
-        _gemm1_block(x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, pid_n * BLOCK_N,
-                     P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+        _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
+                     pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC)
+                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
 
 
 @triton.jit
@@ -335,6 +344,24 @@ def gemm2_sorted_kernel(
                      stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
                      A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+
+
+@triton.jit(do_not_specialize=["P", "topk"])
+def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K, stride_xm, stride_xk, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[row, k] = x[sorted[row] // topk, k] for the valid rows of the used blocks, program (block, k
+    tile): gemm1's A operand in sorted order, for TMA loads (padding rows and unused blocks untouched)."""
+    block = tl.program_id(0)
+    if tl.load(block_expert_ptr + block) < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < P
+    token = tl.where(row_ok, pair // topk, 0)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = row_ok[:, None] & (offs_k < K)[None, :]
+    vals = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_k[None, :], vals, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "topk", "SPLITS"])

@@ -86,6 +86,23 @@ def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
     return desc(block_m), desc(cfg.tail_m) if cfg.tail_m else None
 
 
+def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig):
+    """(a_desc, a_tail_desc) of gemm1's A rows copied into sorted order by ``gather_rows_kernel`` when cfg
+    asks for it (``tma_a``) and the device and layout allow; (None, None) selects the gathered pointer loads."""
+    if not (cfg.tma_a and tma_capable(x.device) and x.element_size() == 2):
+        return None, None
+    rows = torch.empty((routing.max_blocks * routing.block_m, x.shape[1]), dtype=x.dtype, device=x.device)
+    descs = _sorted_rows_descs(rows, routing.block_m, cfg)
+    if descs[0] is not None:
+        # NOTE: 128 x 256 elements per program (64 KB in bf16), 8 warps: 16-byte accesses per thread.
+        block_k = min(256, triton.next_power_of_2(x.shape[1]))
+        kern.gather_rows_kernel[(routing.max_blocks, triton.cdiv(x.shape[1], block_k))](
+            x, rows, routing.sorted_pairs, routing.block_expert, routing.inverse.numel(), topk, x.shape[1],
+            x.stride(0), x.stride(1), rows.stride(0), BLOCK_M=routing.block_m, BLOCK_K=block_k, num_warps=8,
+        )
+    return descs
+
+
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
                   cfg: GemmConfig):
     """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N]."""
@@ -93,8 +110,10 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
     w_desc = _weight_desc(w1, 2 * cfg.block_n if act == kern.ACT_SWIGLUOAI else cfg.block_n, cfg)
+    a_desc, a_tail_desc = _gathered_rows_descs(x, routing, topk, cfg) if out_sorted else (None, None)
     kern.gemm1_sorted_kernel[grid](
-        x, w1, w_desc, bias if bias is not None else out, out, weights if weights is not None else out,
+        x, a_desc, a_tail_desc, w1, w_desc, bias if bias is not None else out, out,
+        weights if weights is not None else out,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks, int(bias is not None),
         int(weights is not None),
@@ -102,7 +121,8 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 

@@ -1,0 +1,96 @@
+"""A/B a config change of the routed-expert kernels against the table entry, end to end, interleaved.
+
+The tuner times one candidate once; under the H100's power cap one timing moves by 2-10%, so a table entry
+is changed only when this script confirms it. For one (model, M) cell of the benchmark's shapes (bf16,
+swigluoai, random routing over rotated input sets) it times ``fused_experts_triton`` with the config the
+table (or heuristic) gives, with that config after each ``--variant`` override, and ``triton_kernels`` when
+importable, in ``--rounds`` interleaved rounds (each a CUDA-graph replay median, ``tune_fused_experts.time_us``),
+checks every variant's output bitwise against the table config's, and prints per-round times and medians.
+
+    python benchmarks/ab_fused_experts.py --model mixtral-8x7b --tokens 4096 \\
+        --variant '{"gemm1": {"tma_a": false}, "gemm2": {"tma_a": false, "tma_weights": false}}'
+
+A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
+applied with ``dataclasses.replace``. CUDA only (``--help`` works anywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", required=True, help="one of tune_fused_experts.MODELS")
+    p.add_argument("--tokens", type=int, required=True, help="M")
+    p.add_argument("--variant", action="append", default=[], help="JSON overrides of the table config")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--sets", type=int, default=4, help="rotated input sets")
+    return p.parse_args(argv)
+
+
+def apply(cfg, variant: dict):
+    """cfg with the overrides of ``variant`` (block_m, gemm1 / gemm2 fields)."""
+    changes = {k: v for k, v in variant.items() if k not in ("gemm1", "gemm2")}
+    for name in ("gemm1", "gemm2"):
+        if name in variant:
+            changes[name] = dataclasses.replace(getattr(cfg, name), **variant[name])
+    return dataclasses.replace(cfg, **changes)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    sys.path.insert(0, str(BENCH_DIR))
+    import tune_fused_experts as T
+    from moe_extension.kernels import fused_experts_triton
+    from moe_extension.kernels._configs import get_config
+
+    if not torch.cuda.is_available():
+        print("ab_fused_experts: needs a CUDA device", file=sys.stderr)
+        return 2
+    d = T.MODELS[args.model]
+    E, topk, K, N, M = d["E"], d["topk"], d["K"], d["N"], args.tokens
+    torch.manual_seed(0)
+    w1, w2 = T.make_weights(E, K, N, torch.bfloat16, "linear")
+    sets = T.make_sets(E, topk, K, M, torch.bfloat16, args.sets)
+    n = len(sets)
+    table = get_config(M, E, N, K, topk, torch.bfloat16, True, True, w1.device)
+    configs = {"table": table}
+    configs.update({f"variant {i}": apply(table, json.loads(v)) for i, v in enumerate(args.variant)})
+    runs = {name: (lambda i, c=c: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
+                                                        T.ACTIVATION, config=c)) for name, c in configs.items()}
+    try:
+        from moe_extension.backends import triton_kernels as tk
+
+        if tk.is_available():
+            runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
+                                                                T.ACTIVATION)
+    except ImportError:
+        pass
+    print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {args.rounds} interleaved rounds")
+    ref = runs["table"](0)
+    for name, c in configs.items():
+        same = torch.equal(runs[name](0), ref)
+        print(f"  {name:14s} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
+              f"  bitwise equal to table: {same}")
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            times[name].append(T.time_us(fn, n))
+    for name, v in times.items():
+        print(f"  {name:14s} " + " ".join(f"{x:8.1f}" for x in v) + f"   median {statistics.median(v):8.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

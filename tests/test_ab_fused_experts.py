@@ -1,0 +1,21 @@
+"""benchmarks/ab_fused_experts.py: the variant overrides it applies to a table config."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_extension.kernels._configs import GemmConfig, MoeConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import ab_fused_experts  # noqa: E402
+
+
+def test_variant_overrides_only_the_named_fields():
+    cfg = MoeConfig("sorted", 128, GemmConfig(128, 64, 8, 4, tma_weights=True), GemmConfig(256, 64, 8, 3))
+    out = ab_fused_experts.apply(cfg, {"gemm1": {"tma_a": True}, "gemm2": {"tma_a": True, "num_stages": 4}})
+    assert out.gemm1 == GemmConfig(128, 64, 8, 4, tma_weights=True, tma_a=True)
+    assert out.gemm2 == GemmConfig(256, 64, 8, 4, tma_a=True)
+    assert ab_fused_experts.apply(cfg, {"block_m": 64}) == MoeConfig("sorted", 64, cfg.gemm1, cfg.gemm2)
+    with pytest.raises(TypeError):
+        ab_fused_experts.apply(cfg, {"gemm1": {"no_such_field": 1}})
