@@ -52,6 +52,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(BENCH_DIR))
     import tune_fused_experts as T
+    from moe_extension.backends import triton_kernels as tk
     from moe_extension.kernels import fused_experts_triton
     from moe_extension.kernels._configs import get_config
 
@@ -69,14 +70,9 @@ def main(argv=None) -> int:
     configs.update({f"variant {i}": apply(table, json.loads(v)) for i, v in enumerate(args.variant)})
     runs = {name: (lambda i, c=c: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                         T.ACTIVATION, config=c)) for name, c in configs.items()}
-    try:
-        from moe_extension.backends import triton_kernels as tk
-
-        if tk.is_available():
-            runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
-                                                                T.ACTIVATION)
-    except ImportError:
-        pass
+    if tk.is_available():
+        runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
+                                                            T.ACTIVATION)
     print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {args.rounds} interleaved rounds")
     ref = runs["table"](0)
     for name, c in configs.items():

@@ -18,7 +18,7 @@ The table goes to ``<out>/<device>.json`` (the file ``moe_extension/kernels/_con
 
 The default run (the three benchmark models at M in {1, 16, 64, 256, 1024, 4096}) was sized to take well
 under 4 minutes on an H100, most of it Triton compiles (cached on disk for the next run), before the first
-GEMM's third load variant (a third more first-GEMM candidates; not re-timed). CUDA only.
+GEMM's third load variant (half again as many first-GEMM candidates; not re-timed). CUDA only.
 """
 
 from __future__ import annotations

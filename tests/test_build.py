@@ -42,7 +42,10 @@ def test_libstdcxx_code_is_not_inside_the_module():
     assert not inside, f"{so_path.name} carries its own copy of libstdc++ ({OSTREAM_INSERT_LONG} at {address:#x})"
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and moe_extension.WITH_CUDA else []))
+CUDA_BUILT = torch.cuda.is_available() and moe_extension.WITH_CUDA
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA_BUILT else []))
 def test_native_error_message_with_integers(device):
     x = torch.zeros(3, 7, device=device)
     out = torch.empty(3, 3, device=device)

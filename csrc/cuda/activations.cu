@@ -181,7 +181,8 @@ void launch(const ActivationOperands& ops, ActLaunch p) {
   for (int64_t row_begin = 0; row_begin < p.rows; row_begin += rows_per_launch) {
     p.row_begin = row_begin;
     p.row_end = std::min(p.rows, row_begin + rows_per_launch);
-    const int64_t row_blocks = (p.row_end - row_begin + int64_t{rows_per_block} * R - 1) / (int64_t{rows_per_block} * R);
+    const int64_t rows_per_x_block = int64_t{rows_per_block} * R;
+    const int64_t row_blocks = (p.row_end - row_begin + rows_per_x_block - 1) / rows_per_x_block;
     for (int64_t unit_begin = 0; unit_begin < units; unit_begin += units_per_launch) {
       p.unit_begin = unit_begin;
       p.unit_end = std::min(units, unit_begin + units_per_launch);

@@ -5,7 +5,8 @@ A ``MoeConfig`` picks the schedule of one ``fused_experts`` call:
 - ``path="direct"``: no routing; per-pair GEMV for the first GEMM, per-token GEMV that sums the slots for
   the second (2 launches). For tiny batches, where every program streams weights.
 - ``path="sorted"``: routing into ``block_m``-row expert blocks, grouped GEMMs on tensor cores, then the
-  deterministic slot sum (4 launches; 6 when the routing takes three).
+  deterministic slot sum (4 launches; 6 when the routing takes three; one more when gemm1 copies its
+  token rows into sorted order, ``tma_a``).
 
 ``gemm1`` / ``gemm2`` hold the tile of each GEMM: ``block_n`` output columns (of the activation output for
 gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blocks per L2 super-group;

@@ -89,8 +89,9 @@ def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
 
 def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig):
     """(a_desc, a_tail_desc) of gemm1's A rows copied into sorted order by ``gather_rows_kernel`` when cfg
-    asks for it (``tma_a``) and the device and layout allow; (None, None) selects the gathered pointer loads."""
-    if not (cfg.tma_a and tma_capable(x.device) and x.element_size() == 2):
+    asks for it (``tma_a``) and the device and layout allow; (None, None) selects the gathered pointer loads.
+    The copy is contiguous, so its layout is TMA-capable when rows of K 16-bit elements are 16-byte multiples."""
+    if not (cfg.tma_a and tma_capable(x.device) and x.element_size() == 2 and x.shape[1] % 8 == 0):
         return None, None
     rows = torch.empty((routing.max_blocks * routing.block_m, x.shape[1]), dtype=x.dtype, device=x.device)
     descs = _sorted_rows_descs(rows, routing.block_m, cfg)
