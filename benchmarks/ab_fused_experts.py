@@ -11,7 +11,10 @@ checks every variant's output bitwise against the table config's, and prints per
         --variant '{"gemm1": {"tma_a": false}, "gemm2": {"tma_a": false, "tma_weights": false}}'
 
 A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
-applied with ``dataclasses.replace``. CUDA only (``--help`` works anywhere).
+applied with ``dataclasses.replace``. ``--activation`` times another activation than the benchmark's
+swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--profile`` also prints each
+kernel's median time over a few eager calls (torch.profiler; short bursts, so clocks run above the
+power-capped ones of the replay timing). CUDA only (``--help`` works anywhere).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -34,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", action="append", default=[], help="JSON overrides of the table config")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--sets", type=int, default=4, help="rotated input sets")
+    p.add_argument("--activation", default="swigluoai", choices=sorted(ACTIVATION_CODES),
+                   help="default: the benchmark's")
+    p.add_argument("--profile", action="store_true", help="per-kernel eager times of each config")
     return p.parse_args(argv)
 
 
@@ -44,6 +52,24 @@ def apply(cfg, variant: dict):
         if name in variant:
             changes[name] = dataclasses.replace(getattr(cfg, name), **variant[name])
     return dataclasses.replace(cfg, **changes)
+
+
+def kernel_times_us(fn, calls: int = 5) -> dict[str, float]:
+    """Median device time (us) per call of each kernel that fn() launches, over ``calls`` eager calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times.setdefault(ev.name, []).append(ev.device_time_total)
+    # a kernel launched k times per call (triton_kernels' two matmuls share a name) counts k times
+    return {name: sum(v) / calls for name, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -69,11 +95,11 @@ def main(argv=None) -> int:
     configs = {"table": table}
     configs.update({f"variant {i}": apply(table, json.loads(v)) for i, v in enumerate(args.variant)})
     runs = {name: (lambda i, c=c: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
-                                                        T.ACTIVATION, config=c)) for name, c in configs.items()}
-    if tk.is_available():
+                                                        args.activation, config=c)) for name, c in configs.items()}
+    if tk.is_available() and args.activation == T.ACTIVATION:
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                             T.ACTIVATION)
-    print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {args.rounds} interleaved rounds")
+    print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {args.activation}  {args.rounds} interleaved rounds")
     ref = runs["table"](0)
     for name, c in configs.items():
         same = torch.equal(runs[name](0), ref)
@@ -85,6 +111,11 @@ def main(argv=None) -> int:
             times[name].append(T.time_us(fn, n))
     for name, v in times.items():
         print(f"  {name:14s} " + " ".join(f"{x:8.1f}" for x in v) + f"   median {statistics.median(v):8.1f} us")
+    if args.profile:
+        for name, fn in runs.items():
+            times = kernel_times_us(lambda: fn(0))
+            print(f"  {name:14s} eager per kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+                  + f"; sum {sum(times.values()):.1f} us")
     return 0
 
 

@@ -19,3 +19,13 @@ def test_variant_overrides_only_the_named_fields():
     assert ab_fused_experts.apply(cfg, {"block_m": 64}) == MoeConfig("sorted", 64, cfg.gemm1, cfg.gemm2)
     with pytest.raises(TypeError):
         ab_fused_experts.apply(cfg, {"gemm1": {"no_such_field": 1}})
+
+
+def test_activation_and_profile_options():
+    args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64"])
+    assert args.activation == "swigluoai" and not args.profile
+    args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--activation", "silu",
+                                        "--profile"])
+    assert args.activation == "silu" and args.profile
+    with pytest.raises(SystemExit):
+        ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--activation", "relu"])
