@@ -24,8 +24,10 @@ Direct (per-pair GEMV) kernels for tiny batches, no routing needed:
   a fixed order (the reduction over topk fused, deterministic); or one program per (pair, tile).
 
 Activation codes: 0 none, 1 silu, 2 gelu (erf), 3 gelu_tanh, 4 swigluoai (interleaved gate/up rows),
-5 swiglustep. Halves activations read gate rows ``n`` and up rows ``N + n``; swigluoai reads the
-``2 * BLOCK_N`` consecutive rows ``2 n0 ...`` and splits even (gate) / odd (up) columns in registers.
+5 swiglustep. gemm1 multiplies one weight tile of ``2 * BLOCK_N`` rows per step for the gated activations:
+the halves activations stack the gate rows ``n0 ...`` on the up rows ``N + n0 ...`` and split the two
+column halves in registers; swigluoai reads the consecutive rows ``2 n0 ...`` and splits even (gate) / odd
+(up) columns.
 """
 
 from __future__ import annotations
@@ -129,21 +131,24 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
-    # Weight rows wrap modulo their range (in bounds, no mask); the columns they feed are not stored.
+    # One weight tile of W_ROWS rows per step, one dot: without an activation the BLOCK_N output rows;
+    # swigluoai the 2 * BLOCK_N interleaved rows from 2 n0; the halves activations BLOCK_N gate rows from n0
+    # stacked on the BLOCK_N up rows from N + n0. Rows wrap modulo their range (in bounds, no mask); the
+    # columns they feed are not stored.
+    # NOTE: the halves activations' one [BM, 2 BLOCK_N] dot (it was a gate and an up dot of [BM, BLOCK_N],
+    # each reading the A tile) took gemm1 (silu, H100, eager) 448.5 -> 436.3 us at qwen3 M = 4096,
+    # 2838 -> 2770 us at mixtral M = 4096 and 861 -> 838 us at mixtral M = 1024
+    # (benchmarks/results/ab_silu_stacked_h100.txt); the outputs stayed bitwise equal.
+    W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
     if ACT == 0:
         wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
-        w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
-        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     elif ACT == 4:
         wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
-        w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
-        acc = tl.zeros([BM, 2 * BLOCK_N], dtype=tl.float32)
     else:
-        wr = (n0 + tl.arange(0, BLOCK_N)) % N_HALF
-        w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
-        u_ptrs = w_ptrs + N_HALF * stride_wn
-        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        c = tl.arange(0, 2 * BLOCK_N)
+        wr = (c // BLOCK_N) * N_HALF + (n0 + c % BLOCK_N) % N_HALF
+    w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
             k_ok = offs_k < K - kk * BLOCK_K
@@ -154,24 +159,18 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
         else:
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         if W_DESC:
-            if ACT == 4:
-                w = w_desc.load([expert, 2 * n0, kk * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).T
+            if ACT == 0:
+                w = w_desc.load([expert, n0, kk * BLOCK_K])
+            elif ACT == 4:
+                w = w_desc.load([expert, 2 * n0, kk * BLOCK_K])
             else:
-                w = w_desc.load([expert, n0, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+                w = w_desc.load([expert, 0, n0, kk * BLOCK_K])
+            w = w.reshape(W_ROWS, BLOCK_K).T
         elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-        if ACT != 0 and ACT != 4:
-            if W_DESC:
-                wu = w_desc.load([expert, N_HALF + n0, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-            elif EVEN_K:
-                wu = tl.load(u_ptrs)
-            else:
-                wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PREC)
-            u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -179,18 +178,17 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     g = tl.load(gw_ptr + token.to(tl.int64) * stride_gm + (pair - token * topk) * stride_gk,
                 mask=pair < tl.where(router_on_input != 0, P, 0), other=1.0).to(tl.float32)
     acc = acc * g[:, None]
-    b_base = bias_ptr + expert.to(tl.int64) * stride_be
     b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)  # above every row index when on, 0 when off
-    acc += tl.load(b_base + wr * stride_bn, mask=wr < b_lim, other=0.0).to(tl.float32)[None, :]
+    acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
+                   other=0.0).to(tl.float32)[None, :]
     if ACT == 0:
         result = acc
     elif ACT == 4:
         gate, up = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
         result = activate(gate, up, alpha, limit, ACT)
     else:
-        acc_u = acc_u * g[:, None]
-        acc_u += tl.load(b_base + (wr + N_HALF) * stride_bn, mask=wr < b_lim, other=0.0).to(tl.float32)[None, :]
-        result = activate(acc, acc_u, alpha, limit, ACT)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BLOCK_N)), (0, 2, 1)))
+        result = activate(gate, up, alpha, limit, ACT)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if OUT_SORTED:
@@ -216,7 +214,8 @@ def gemm1_sorted_kernel(
     TAIL_M (0: off): a block with at most TAIL_M valid rows (an expert's last, partial block) runs a TAIL_M-row
     tile instead, in the same launch and L2 group as its expert's full blocks.
     W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
-    [1, weight rows per tile, BLOCK_K]; rows and columns past the end read as 0), instead of pointers.
+    [1, weight rows per tile, BLOCK_K]) or, for the halves activations, of its view [E, 2, N, K] (block
+    [1, 2, BLOCK_N, BLOCK_K]: gate and up rows in one load); rows and columns past the end read as 0.
     A_DESC (OUT_SORTED only): the A rows come in sorted order through ``a_desc`` (block [BLOCK_M, BLOCK_K])
     and, for tail tiles, ``a_tail_desc`` (block [TAIL_M, BLOCK_K]), TMA descriptors of the rows that
     ``gather_rows_kernel`` copied (columns past K read as 0), instead of gathered pointer loads of x.

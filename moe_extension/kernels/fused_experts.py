@@ -66,11 +66,17 @@ def _tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
             and all(s * esize % 16 == 0 for s in t.stride()[:-1]) and block_k <= 256)
 
 
-def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig) -> TensorDescriptor | None:
+def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig, halves: bool = False) -> TensorDescriptor | None:
     """TMA descriptor of w [E, out, in] with block [1, rows, block_k] when cfg asks for it and the device
-    (sm_90+) and layout (``_tma_layout_ok``, rows within 256) allow it; None selects the pointer loads."""
+    (sm_90+) and layout (``_tma_layout_ok``, rows within 256) allow it; None selects the pointer loads.
+    ``halves``: w [E, 2N, in] viewed as [E, 2, N, in], block [1, 2, rows, block_k]: gate rows n.. stacked
+    on up rows N + n.. in one load."""
     if not (cfg.tma_weights and tma_capable(w.device) and _tma_layout_ok(w, cfg.block_k)) or rows > 256:
         return None
+    if halves:
+        E, two_n, K = w.shape
+        return TensorDescriptor(w, [E, 2, two_n // 2, K], [w.stride(0), two_n // 2 * w.stride(1), w.stride(1),
+                                                          w.stride(2)], [1, 2, rows, cfg.block_k])
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, rows, cfg.block_k])
 
 
@@ -112,7 +118,10 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
-    w_desc = _weight_desc(w1, 2 * cfg.block_n if act == kern.ACT_SWIGLUOAI else cfg.block_n, cfg)
+    if act == kern.ACT_SWIGLUOAI:
+        w_desc = _weight_desc(w1, 2 * cfg.block_n, cfg)
+    else:
+        w_desc = _weight_desc(w1, cfg.block_n, cfg, halves=act != kern.ACT_NONE)
     a_desc, a_tail_desc = _gathered_rows_descs(x, routing, topk, cfg) if out_sorted else (None, None)
     kern.gemm1_sorted_kernel[grid](
         x, a_desc, a_tail_desc, w1, w_desc, bias if bias is not None else out, out,
