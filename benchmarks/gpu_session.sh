@@ -4,7 +4,8 @@
 # `.whl` (expecttest, from ../shared/tools/get_peers.sh whl) and `.deps` (get_peers.sh tk) with the run.
 #   usage: bash benchmarks/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [main] [native] [experts] [tune] ...
 # Steps run in the order given; "all" = build tests main native experts. Each step stops after
-# STEP_TIMEOUT seconds (default 300).
+# STEP_TIMEOUT seconds (default 300). On 8 workers (pytest-xdist from .whl):
+#   tests="-n 8 --dist loadgroup tests"   (loadgroup: the memory-heavy cases one at a time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
