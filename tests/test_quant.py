@@ -63,6 +63,19 @@ def test_fp8_block_scale_rule_and_error_bound():
     assert (err <= w.abs() * 2**-4 + per_elem * 2**-10).all()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_quantization_equal_on_cpu_and_cuda(dtype):
+    """The scale is amax / 448 correctly rounded on every device: low-precision inputs land exactly on e4m3
+    ties often, so a scale one ulp off (CUDA's reciprocal multiply for a scalar divisor) flips them."""
+    x = (torch.randn(64, 1000) * torch.logspace(-2, 2, 64)[:, None]).to(dtype).float()
+    for quantize in (quantize_fp8_per_token_group, quantize_fp8_block):
+        q_cpu, s_cpu = quantize(x)
+        q_gpu, s_gpu = quantize(x.cuda())
+        assert torch.equal(s_gpu.cpu(), s_cpu), quantize.__name__
+        assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8)), quantize.__name__
+
+
 def test_fp8_block_zero_block_and_bad_scales():
     w = torch.zeros(1, 256, 128)
     w[0, 128:, :] = torch.randn(128, 128)
