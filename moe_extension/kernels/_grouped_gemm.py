@@ -133,8 +133,8 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
     # One weight tile of W_ROWS rows per step, one dot: without an activation the BLOCK_N output rows;
     # swigluoai the 2 * BLOCK_N interleaved rows from 2 n0; the halves activations BLOCK_N gate rows from n0
-    # stacked on the BLOCK_N up rows from N + n0. Rows wrap modulo their range (in bounds, no mask); the
-    # columns they feed are not stored.
+    # stacked on the BLOCK_N up rows from N + n0. Pointer loads wrap rows modulo their range (in bounds, no
+    # mask), TMA loads read rows past the end as 0; the columns they feed are not stored.
     # NOTE: the halves activations' one [BM, 2 BLOCK_N] dot (it was a gate and an up dot of [BM, BLOCK_N],
     # each reading the A tile) took gemm1 (silu, H100, eager) 448.5 -> 436.3 us at qwen3 M = 4096,
     # 2838 -> 2770 us at mixtral M = 4096 and 861 -> 838 us at mixtral M = 1024
