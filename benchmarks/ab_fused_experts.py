@@ -87,9 +87,7 @@ def main(argv=None) -> int:
         return 2
     d = T.MODELS[args.model]
     E, topk, K, N, M = d["E"], d["topk"], d["K"], d["N"], args.tokens
-    torch.manual_seed(0)
-    w1, w2 = T.make_weights(E, K, N, torch.bfloat16, "linear")
-    sets = T.make_sets(E, topk, K, M, torch.bfloat16, args.sets)
+    w1, w2, sets = T.cell_inputs(args.model, M, args.sets)
     n = len(sets)
     table = get_config(M, E, N, K, topk, torch.bfloat16, True, True, w1.device)
     configs = {"table": table}

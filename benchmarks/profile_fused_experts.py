@@ -1,0 +1,71 @@
+"""Eager calls of the routed-expert implementations at one benchmark cell, for an external profiler.
+
+For one (model, M) cell of the benchmark's shapes (bf16, swigluoai, random routing; ``tune_fused_experts``)
+it warms up (compiles) ``fused_experts_triton`` with the table config and, when importable,
+``triton_kernels``, then makes ``--calls`` eager calls of each inside the NVTX range ``profiled`` (nested
+ranges ``ours`` / ``triton_kernels``), so a profiler can skip the warm-up. The L2 traffic of the GEMMs, for
+instance (``benchmarks/results/l2_traffic_h100.txt``):
+
+    ncu --clock-control none --nvtx --nvtx-include "profiled/" \\
+        --kernel-name "regex:gemm[12]_sorted_kernel|_p_matmul_ogs" --metrics "$METRICS" \\
+        python benchmarks/profile_fused_experts.py --model qwen3-30b-a3b --tokens 4096
+
+with METRICS = gpu__time_duration.sum,dram__bytes_read.sum,l1tex__m_xbar2l1tex_read_bytes.sum,
+lrc__xbar2gpc_sectors_op_read.sum,lrc__lts2lrc_sectors_op_read.sum (no spaces): bytes the SMs read from
+L2, and the sectors the L2 request coalescer delivered to the SMs vs read from the L2 slices (their ratio
+is how often one L2 read served several SMs' identical requests).
+
+CUDA only (``--help`` works anywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", required=True, help="one of tune_fused_experts.MODELS")
+    p.add_argument("--tokens", type=int, required=True, help="M")
+    p.add_argument("--calls", type=int, default=1, help="profiled calls of each implementation")
+    p.add_argument("--no-peer", action="store_true", help="leave triton_kernels out")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    sys.path.insert(0, str(BENCH_DIR))
+    import tune_fused_experts as T
+    from moe_extension.backends import triton_kernels as tk
+    from moe_extension.kernels import fused_experts_triton
+
+    if not torch.cuda.is_available():
+        print("profile_fused_experts: needs a CUDA device", file=sys.stderr)
+        return 2
+    w1, w2, ((x, weights, ids),) = T.cell_inputs(args.model, args.tokens, 1)
+    runs = {"ours": lambda: fused_experts_triton(x, w1, w2, weights, ids, T.ACTIVATION)}
+    if tk.is_available() and not args.no_peer:
+        runs["triton_kernels"] = lambda: tk.fused_experts(x, w1, w2, weights, ids, T.ACTIVATION)
+    for fn in runs.values():
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    with torch.cuda.nvtx.range("profiled"):
+        for name, fn in runs.items():
+            with torch.cuda.nvtx.range(name):
+                for _ in range(args.calls):
+                    fn()
+            torch.cuda.synchronize()
+    print(f"profile_fused_experts: {args.model} M={args.tokens}, {args.calls} call(s) of {', '.join(runs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
