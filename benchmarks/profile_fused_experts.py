@@ -25,13 +25,14 @@ import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from tune_fused_experts import add_cell_arguments  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--model", required=True, help="one of tune_fused_experts.MODELS")
-    p.add_argument("--tokens", type=int, required=True, help="M")
+    add_cell_arguments(p)
     p.add_argument("--calls", type=int, default=1, help="profiled calls of each implementation")
     p.add_argument("--no-peer", action="store_true", help="leave triton_kernels out")
     return p.parse_args(argv)
@@ -41,7 +42,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    sys.path.insert(0, str(BENCH_DIR))
     import tune_fused_experts as T
     from moe_extension.backends import triton_kernels as tk
     from moe_extension.kernels import fused_experts_triton

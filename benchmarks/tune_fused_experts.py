@@ -191,6 +191,12 @@ def make_weights(E, K, N, dtype, layout):
     return stack(2 * N, K), stack(K, N)
 
 
+def add_cell_arguments(p) -> None:
+    """``--model`` and ``--tokens``: one benchmark cell (the A/B and profiling scripts' options)."""
+    p.add_argument("--model", required=True, choices=sorted(MODELS), help="a benchmark model")
+    p.add_argument("--tokens", type=int, required=True, help="M")
+
+
 def cell_inputs(model: str, M: int, n_sets: int):
     """(w1, w2, sets) of one benchmark cell: the model's bf16 weights ("linear") and ``n_sets`` rotated
     input sets of M tokens, drawn after ``torch.manual_seed(0)`` (the A/B and profiling scripts' inputs)."""

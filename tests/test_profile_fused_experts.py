@@ -18,6 +18,8 @@ def test_options():
     assert (args.calls, args.no_peer) == (3, True)
     with pytest.raises(SystemExit):
         profile_fused_experts.parse_args(["--model", "qwen3-30b-a3b"])
+    with pytest.raises(SystemExit):
+        profile_fused_experts.parse_args(["--model", "no-such-model", "--tokens", "8"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only exit path")
