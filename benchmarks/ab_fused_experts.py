@@ -13,7 +13,7 @@ checks every variant's output bitwise against the table config's, and prints per
 A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
 applied with ``dataclasses.replace``. ``--activation`` times another activation than the benchmark's
 swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--profile`` also prints each
-kernel's median time over a few eager calls (torch.profiler; short bursts, so clocks run above the
+kernel's mean time per call over a few eager calls (torch.profiler; short bursts, so clocks run above the
 power-capped ones of the replay timing). CUDA only (``--help`` works anywhere).
 """
 
@@ -56,7 +56,7 @@ def apply(cfg, variant: dict):
 
 
 def kernel_times_us(fn, calls: int = 5) -> dict[str, float]:
-    """Median device time (us) per call of each kernel that fn() launches, over ``calls`` eager calls."""
+    """Mean device time (us) per call of each kernel that fn() launches, over ``calls`` eager calls."""
     import torch
 
     fn()

@@ -140,15 +140,20 @@ TMA_CASES = [
 ]
 
 
+def _use_tma(monkeypatch):
+    """TMA paths on: forced in the interpreter; on a GPU they need sm_90+ (skip otherwise)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fe, "tma_capable", lambda device: True)
+    elif not fe.tma_capable(torch.device(DEVICE)):
+        pytest.skip("needs sm_90+ for TMA")
+
+
 @pytest.mark.parametrize("cfg,act,K,N", TMA_CASES)
 def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
     """tma_weights=True loads the weight tiles, tma_a=True gemm2's sorted rows and gemm1's token rows (copied
     into sorted order first), through TMA descriptors (sm_90+; in the interpreter, forced on): the results
     equal the pointer loads' bitwise, and the path is really taken."""
-    if DEVICE == "cpu":
-        monkeypatch.setattr(fe, "tma_capable", lambda device: True)
-    elif not fe.tma_capable(torch.device(DEVICE)):
-        pytest.skip("needs sm_90+ for TMA")
+    _use_tma(monkeypatch)
     dtype = CASE_DTYPES[1]
     x, w1, w2, g, ids, kw = _case(9, 3, 5, K, N, dtype, bias=True, emap=True, seed=K + N)
     base, tma = CONFIGS[cfg], _with_tma(CONFIGS[cfg])
@@ -185,10 +190,8 @@ def test_tail_tiles(monkeypatch, act, tma):
     routing has such blocks next to full and barely-partial ones); the results match the reference. With
     tma, gemm2's sorted rows come through the block and tail TMA descriptors (forced on in the interpreter), and
     both GEMMs walk the tiles in expert-major order."""
-    if tma and DEVICE == "cpu":
-        monkeypatch.setattr(fe, "tma_capable", lambda device: True)
-    elif tma and not fe.tma_capable(torch.device(DEVICE)):
-        pytest.skip("needs sm_90+ for TMA")
+    if tma:
+        _use_tma(monkeypatch)
     dtype = CASE_DTYPES[1]
     bm = 32 if DEVICE == "cpu" else 64
     torch.manual_seed(7)
