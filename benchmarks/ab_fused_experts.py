@@ -11,7 +11,8 @@ checks every variant's output bitwise against the table config's, and prints per
         --variant '{"gemm1": {"tma_a": false}, "gemm2": {"tma_a": false, "tma_weights": false}}'
 
 A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
-applied with ``dataclasses.replace``. ``--activation`` times another activation than the benchmark's
+applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
+dependent launch. ``--activation`` times another activation than the benchmark's
 swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--profile`` also prints each
 kernel's mean time per call over a few eager calls (torch.profiler; short bursts, so clocks run above the
 power-capped ones of the replay timing). CUDA only (``--help`` works anywhere).
@@ -43,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activation", default="swigluoai", choices=sorted(ACTIVATION_CODES),
                    help="default: the benchmark's")
     p.add_argument("--profile", action="store_true", help="per-kernel eager times of each config")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="also time the table config without programmatic dependent launch")
     return p.parse_args(argv)
 
 
@@ -94,6 +97,9 @@ def main(argv=None) -> int:
     configs.update({f"variant {i}": apply(table, json.loads(v)) for i, v in enumerate(args.variant)})
     runs = {name: (lambda i, c=c: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                         args.activation, config=c)) for name, c in configs.items()}
+    if args.no_pdl:
+        runs["table, no PDL"] = lambda i: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
+                                                               args.activation, config=table, pdl=False)
     if tk.is_available() and args.activation == T.ACTIVATION:
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                             T.ACTIVATION)
@@ -103,6 +109,8 @@ def main(argv=None) -> int:
         same = torch.equal(runs[name](0), ref)
         print(f"  {name:14s} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}")
+    if args.no_pdl:
+        print(f"  table, no PDL  bitwise equal to table: {torch.equal(runs['table, no PDL'](0), ref)}")
     times = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, fn in runs.items():

@@ -23,9 +23,9 @@ def test_variant_overrides_only_the_named_fields():
 
 def test_activation_and_profile_options():
     args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64"])
-    assert args.activation == "swigluoai" and not args.profile
+    assert args.activation == "swigluoai" and not args.profile and not args.no_pdl
     args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--activation", "silu",
-                                        "--profile"])
-    assert args.activation == "silu" and args.profile
+                                        "--profile", "--no-pdl"])
+    assert args.activation == "silu" and args.profile and args.no_pdl
     with pytest.raises(SystemExit):
         ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--activation", "relu"])

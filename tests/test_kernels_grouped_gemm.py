@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import moe_extension.kernels._configs as configs
+import moe_extension.kernels._routing as routing_module
 import moe_extension.kernels.fused_experts as fe
 from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
 from moe_extension.kernels._configs import GemmConfig, MoeConfig
@@ -163,7 +164,7 @@ def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
     assert fe._sorted_rows_descs(a_sorted, 16, base.gemm2) == (None, None)
     routing = route(ids, 5, tma.block_m)
     assert fe._gathered_rows_descs(x, routing, 3, tma.gemm1)[0] is not None
-    assert fe._gathered_rows_descs(x, routing, 3, base.gemm1) == (None, None)
+    assert fe._gathered_rows_descs(x, routing, 3, base.gemm1) == (None, None, None)
     if act == "none":
         ref = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=base)
         out = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=tma)
@@ -216,6 +217,54 @@ def test_tail_tiles(monkeypatch, act, tma):
                                config=cfg)
     ref = fused_experts_reference(x, ex["w1"], ex["w2"], g, ids, act, w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"])
     assert_close(out, ref, tolerance(dtype, DEVICE))
+
+
+class _PoisonedAllocations:
+    """Stands in for the torch module inside _routing: its workspaces start as -12345, not as zeros."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kwargs):
+        return poison(torch.empty(*size, **kwargs))
+
+
+@pytest.mark.parametrize("single_program_max_pairs", [0, 128])
+@pytest.mark.parametrize("tail_m", [0, 16])
+def test_gemm2_starts_on_counted_gemm1_tiles(monkeypatch, tail_m, single_program_max_pairs):
+    """The fused path's per-expert handshake (under PDL on the GPU): the routing zeroes ``tiles_done`` (its
+    workspaces poisoned here; both routing schedules), gemm1 with ``signal`` adds exactly its tile count per
+    expert (tail tiles once, experts without rows 0), and a gemm2 that waits on those counts equals a gemm2
+    launched after gemm1, bitwise. On sm_90+ both run with programmatic dependent launch."""
+    dtype = CASE_DTYPES[1]
+    M, topk, E, K, N, bm = 37, 3, 6, 40, 24, 32
+    x, w1, w2, g, _, _ = _case(M, topk, E, K, N, dtype, seed=3)
+    # Expert 0 takes every token's first slot (2 blocks, the second one partial), expert 3 none, and some
+    # slots are invalid.
+    others = torch.tensor([1, 2, 4, 5, -1], device=DEVICE)
+    ids = torch.stack([torch.zeros(M, dtype=torch.long, device=DEVICE), others[torch.arange(M, device=DEVICE) % 4],
+                       others[torch.arange(M, device=DEVICE) % 5]], dim=1)
+    tile = GemmConfig(16, 16, 4, 2, tail_m=tail_m)
+    cfg = MoeConfig("sorted", bm, tile, tile)
+    assert configs.sanitize(cfg, dtype, N, K) == cfg
+    monkeypatch.setattr(routing_module, "torch", _PoisonedAllocations())
+    r = route(ids, E, bm, single_program_max_pairs=single_program_max_pairs)
+    monkeypatch.undo()
+    assert r.expert_counts[0] > bm and r.expert_counts[3] == 0
+    assert (r.tiles_done == 0).all()
+    pdl = fe.pdl_capable(torch.device(DEVICE))
+    a = torch.empty(r.max_blocks * bm, N, dtype=dtype, device=DEVICE)
+    fe._gemm1_sorted(x, w1, None, a, True, r, topk, ACTIVATION_CODES["silu"], None, 1.702, 7.0, tile, pdl,
+                     signal=True)
+    tiles_n1 = -(-N // tile.block_n)
+    assert torch.equal(r.tiles_done, -(-r.expert_counts // bm) * tiles_n1)
+    waited, after = (poison(torch.empty(1, M, topk, K, dtype=dtype, device=DEVICE)) for _ in range(2))
+    fe._gemm2_sorted(a, True, w2, None, waited, r, topk, g, tile, pdl, wait_tiles_n1=tiles_n1)
+    fe._gemm2_sorted(a, True, w2, None, after, r, topk, g, tile)
+    valid = (r.inverse >= 0).view(M, topk)
+    assert torch.equal(waited[:, valid], after[:, valid])
+    assert waited[:, valid].isfinite().all()
 
 
 def test_tma_weights_fall_back_for_transposed_weights(monkeypatch):

@@ -13,6 +13,8 @@ Grouped (expert-sorted) kernels, walking the blocks of ``_routing.route``:
 - ``gemm2_sorted_kernel``: rows of ``a`` (sorted positions or pairs) times ``W2[e]^T`` ([E, K, N]), bias,
   router weight; writes per-slot rows ``y[split, t, j, :]`` (optionally split over the reduction dim).
 - ``sum_slots_kernel``: ``out[t] = sum_{split, j valid} y[split, t, j]`` in a fixed order (deterministic).
+gemm1 can count its finished tiles per expert and gemm2 start an expert's tiles once that count is
+complete (the fused path under programmatic dependent launch; see ``fused_experts``).
 Both GEMMs compute one output tile in ``_gemm1_block`` / ``_gemm2_block``; with ``TAIL_M`` set, a block
 whose valid rows (they come first, padding last) number at most TAIL_M runs a TAIL_M-row tile: an expert's
 last, partial block costs a fraction of a full one, in the same launch as the expert's full blocks (whose
@@ -35,7 +37,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe_extension.kernels._routing import local_expert
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moe_extension.kernels._routing import grid_dependency, local_expert
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -202,12 +206,12 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
     x_ptr, a_desc, a_tail_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
-    counts_ptr, starts_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
+    counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr,
+    W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, SIGNAL: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -219,12 +223,16 @@ def gemm1_sorted_kernel(
     A_DESC (OUT_SORTED only): the A rows come in sorted order through ``a_desc`` (block [BLOCK_M, BLOCK_K])
     and, for tail tiles, ``a_tail_desc`` (block [TAIL_M, BLOCK_K]), TMA descriptors of the rows that
     ``gather_rows_kernel`` copied (columns past K read as 0), instead of gathered pointer loads of x.
+    PDL: programmatic dependent launch (``_routing.grid_dependency``). SIGNAL: after its tile's stores, each
+    program adds 1 to ``done[expert]`` (release, gpu scope): an expert's count reaches
+    cdiv(count, BLOCK_M) * cdiv(N_OUT, BLOCK_N) when all its tiles are stored.
 
     NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
     specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
     and flag settings share one compiled kernel, so cold starts (bare GPU machine, tests, tuning) compile
     few variants.
     """
+    grid_dependency(PDL)
     expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), block_expert_ptr, counts_ptr,
                                  starts_ptr, BLOCK_M, GROUP_M)
     if expert < 0:
@@ -242,6 +250,10 @@ def gemm1_sorted_kernel(
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
                      ACT, OUT_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+    if SIGNAL:
+        # Every thread's stores come before one gpu-scope release increment of the expert's counter.
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr + expert, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -303,15 +315,16 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_p
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
 
 
-@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", *_RUNTIME_STRIDES])
+@triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", "tiles_n1",
+                               *_RUNTIME_STRIDES])
 def gemm2_sorted_kernel(
     a_ptr, a_desc, a_tail_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr, counts_ptr,
-    starts_ptr, P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
+    starts_ptr, done_ptr, tiles_n1, P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr,
+    W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
@@ -324,13 +337,31 @@ def gemm2_sorted_kernel(
     A_DESC (A_SORTED only): the rows of ``a`` come through ``a_desc`` (block [BLOCK_M, BLOCK_K]) and, for
     tail tiles, ``a_tail_desc`` (block [TAIL_M, BLOCK_K]), TMA descriptors of a [rows, N]; columns past N
     read as 0, and a split's range is whole BLOCK_K steps, so no load crosses into the next split.
+    PDL: programmatic dependent launch. WAIT (after a gemm1 with SIGNAL; tiles_n1 = its N tiles): instead of
+    waiting for gemm1's grid at the start, a program waits until ``done[expert]`` reaches the expert's gemm1
+    tile count (acquire, gpu scope), and, with PDL, for gemm1's grid at its end.
     """
+    if WAIT:
+        if PDL:
+            gdc_launch_dependents()
+    else:
+        grid_dependency(PDL)
     expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), block_expert_ptr, counts_ptr,
                                  starts_ptr, BLOCK_M, GROUP_M)
     split = tl.program_id(1)
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
+    if WAIT:
+        # The expert's rows of a are final once all its gemm1 tiles have counted: acquire, then order the
+        # TMA (async proxy) reads after it.
+        need = tl.cdiv(tl.load(counts_ptr + expert), BLOCK_M) * tiles_n1
+        done = tl.atomic_add(done_ptr + expert, 0, sem="acquire", scope="gpu")
+        while done < need:
+            done = tl.atomic_add(done_ptr + expert, 0, sem="acquire", scope="gpu")
+        if PDL:
+            tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)
     if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
         _gemm2_block(a_ptr, a_tail_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
@@ -343,13 +374,18 @@ def gemm2_sorted_kernel(
                      stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
                      A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+    if WAIT:
+        if PDL:
+            # gemm1 has completed (all its tiles counted): this grid's completion implies gemm1's.
+            gdc_wait()
 
 
 @triton.jit(do_not_specialize=["P", "topk"])
 def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K, stride_xm, stride_xk, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[row, k] = x[sorted[row] // topk, k] for the valid rows of the used blocks, program (block, k
     tile): gemm1's A operand in sorted order, for TMA loads (padding rows and unused blocks untouched)."""
+    grid_dependency(PDL)
     block = tl.program_id(0)
     if tl.load(block_expert_ptr + block) < 0:
         return
@@ -367,10 +403,11 @@ def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K,
 def sum_slots_kernel(
     y_ptr, out_ptr, inverse_ptr, M, topk, N_OUT, SPLITS,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_om, stride_on,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] = sum over splits s and valid slots j (inverse[t * topk + j] >= 0) of y[s, t, j, n], in
     increasing (s, j): deterministic."""
+    grid_dependency(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok = offs_t < M
@@ -395,7 +432,7 @@ def gemv1_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Per pair p = program_id(1): out[p, n0:n0+BLOCK_N] as in gemm1 (rows of invalid pairs untouched).
 
@@ -404,6 +441,7 @@ def gemv1_kernel(
     NOTE: Triton software-pipelines loads that feed no tl.dot only in loops that carry their own
     num_stages (tl.range), hence NUM_STAGES on the loop.
     """
+    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
@@ -473,7 +511,7 @@ def gemv2_kernel(
     stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """SUM_SLOTS: program (n tile, token t) computes out[t, n] = sum_j valid (W2[e_j] a[t, j] + b2[e_j]) g_j
     (the topk sum fused; a fixed reduction order: deterministic; invalid slots add nothing). Otherwise
@@ -485,6 +523,7 @@ def gemv2_kernel(
     version that walked (slot, k) steps one slot at a time spent ~140 instructions and 5 barriers per 8
     weight elements per thread), invalid slots are masked rows that load nothing.
     """
+    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     if SUM_SLOTS:
         t = tl.program_id(1)

@@ -16,6 +16,7 @@ non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_
 - ``inverse [P]``: the sorted position of each pair, -1 for dropped pairs.
 - ``expert_counts [E]``: valid pairs per local expert; ``expert_starts [E]``: first sorted position of
   each expert's group.
+- ``tiles_done [E]``: zeroed counters for the fused path's gemm1 -> gemm2 handoff (``fused_experts``).
 
 Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one launch: the
 decode case), otherwise three launches: per-chunk histograms; per-expert prefixes over the chunks (NB / 16
@@ -30,6 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # NOTE: pairs handled per loop step / per program. 128 = one element per thread at num_warps=4, so the
 # histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
@@ -57,6 +59,22 @@ class Routing(NamedTuple):
     expert_starts: torch.Tensor
     block_m: int
     max_blocks: int
+    tiles_done: torch.Tensor
+
+
+@triton.jit
+def grid_dependency(PDL: tl.constexpr):
+    """Programmatic dependent launch (PDL, sm_90+): wait until the previous kernel in the stream completed
+    and its writes are visible, then let the next kernel's programs launch. A no-op when PDL is off."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_options(pdl: bool, **options) -> dict:
+    """Launch options of a kernel with a ``PDL`` constexpr: ``launch_pdl`` only when on (the interpreter and
+    pre-sm_90 launches never see it)."""
+    return dict(options, PDL=True, launch_pdl=True) if pdl else dict(options, PDL=False)
 
 
 def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -137,8 +155,10 @@ def _write_padding(counts, starts, sorted_ptr, P, e_lo, e_hi, BLOCK_M: tl.conste
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
 def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map,
                          sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, BLOCK_M: tl.constexpr,
-                         NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr):
+                         NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr,
+                         PDL: tl.constexpr):
     """Routing in one program: histogram pass, plan, then a scatter pass with per-expert running offsets."""
+    grid_dependency(PDL)
     nb = tl.arange(0, NB)
     offs = tl.arange(0, CHUNK)
     counts = tl.zeros([NB], dtype=tl.int32)
@@ -148,6 +168,7 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
     starts, bend, total_blocks = _padded_starts(counts, BLOCK_M)
     tl.store(meta_ptr + nb, counts)
     tl.store(meta_ptr + NB + nb, starts)
+    tl.store(meta_ptr + 2 * NB + nb, tl.zeros([NB], dtype=tl.int32))
     _write_block_experts(bend, total_blocks, block_expert_ptr, 0, max_blocks, BB)
     _write_padding(counts, starts, sorted_ptr, P, 0, E, BLOCK_M, EB)
     running = starts
@@ -162,9 +183,13 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
 def _route_count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
-                        NB: tl.constexpr, CHUNK: tl.constexpr):
-    """Per-chunk expert histogram: chunk_counts[c, :] (int32 [num_chunks, NB])."""
+                        meta_ptr, NB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Per-chunk expert histogram: chunk_counts[c, :] (int32 [num_chunks, NB]); program 0 also zeroes the
+    tiles_done counters (meta[2 NB, 3 NB))."""
+    grid_dependency(PDL)
     c = tl.program_id(0)
+    if c == 0:
+        tl.store(meta_ptr + 2 * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
     p = c * CHUNK + tl.arange(0, CHUNK)
     e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
     tl.store(chunk_counts_ptr + c * NB + tl.arange(0, NB), _chunk_histogram(e, valid, NB))
@@ -172,9 +197,10 @@ def _route_count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, 
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _route_prefix_kernel(chunk_counts_ptr, num_chunks, meta_ptr, NB: tl.constexpr, EC: tl.constexpr,
-                         CB: tl.constexpr):
+                         CB: tl.constexpr, PDL: tl.constexpr):
     """Per column of EC experts: chunk_counts becomes the exclusive prefix over the chunks (in place), and
     the column totals (the expert counts) go to meta[0, NB). Columns are independent: NB / EC programs."""
+    grid_dependency(PDL)
     ex = tl.program_id(0) * EC + tl.arange(0, EC)
     cb = tl.arange(0, CB)
     running = tl.zeros([EC], dtype=tl.int32)
@@ -192,10 +218,11 @@ def _route_prefix_kernel(chunk_counts_ptr, num_chunks, meta_ptr, NB: tl.constexp
 def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
                           sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, blocks_per_program,
                           experts_per_program, BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
-                          BB: tl.constexpr, EB: tl.constexpr):
+                          BB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
     """Per chunk: position = padded expert start + pairs of the expert in earlier chunks + rank inside the
     chunk. Each program also writes its share of the plan: program 0 the padded starts, every program the
     block -> expert map of blocks_per_program blocks and the padding of experts_per_program experts."""
+    grid_dependency(PDL)
     c = tl.program_id(0)
     counts = tl.load(meta_ptr + tl.arange(0, NB))
     starts, bend, total_blocks = _padded_starts(counts, BLOCK_M)
@@ -216,13 +243,15 @@ def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
-          single_program_max_pairs: int = SINGLE_PROGRAM_MAX_PAIRS, prefix_rows: int = PREFIX_ROWS) -> Routing:
+          single_program_max_pairs: int = SINGLE_PROGRAM_MAX_PAIRS, prefix_rows: int = PREFIX_ROWS,
+          pdl: bool = False) -> Routing:
     """Expert-sorted, ``block_m``-padded order of the pairs of ``topk_ids [M, topk]`` (int32/int64, any
     strides) over ``num_experts`` local experts; ``expert_map [E_global]`` int32 maps global to local ids.
 
     Schedule knobs (the tests set them to reach both schedules and multi-step prefixes; the results do not
     depend on them): ``single_program_max_pairs``, the largest P routed by one program;
-    ``prefix_rows`` (a power of two), the chunks per step of the prefix kernel.
+    ``prefix_rows`` (a power of two), the chunks per step of the prefix kernel. ``pdl``: launch every kernel
+    with programmatic dependent launch (sm_90+; each waits for its predecessor before touching memory).
     """
     M, topk = topk_ids.shape
     P = M * topk
@@ -233,9 +262,10 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     inverse = torch.empty(P, dtype=torch.int32, device=dev)
-    # meta: counts [0, NB), padded starts [NB, 2 NB)
-    meta = torch.empty(2 * NB, dtype=torch.int32, device=dev)
-    routing = Routing(sorted_pairs, block_expert, inverse, meta[:E], meta[NB:NB + E], block_m, max_blocks)
+    # meta: counts [0, NB), padded starts [NB, 2 NB), tiles_done [2 NB, 3 NB) (zeroed by the first kernel)
+    meta = torch.empty(3 * NB, dtype=torch.int32, device=dev)
+    routing = Routing(sorted_pairs, block_expert, inverse, meta[:E], meta[NB:NB + E], block_m, max_blocks,
+                      meta[2 * NB:2 * NB + E])
     if P == 0:
         return routing
     has_map = expert_map is not None
@@ -245,19 +275,20 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     BB = max(1, 8192 // NB)
     EB = min(triton.next_power_of_2(E), max(1, 8192 // block_m))
     ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), map_arg, e_global, E, P, topk, int(has_map))
+    launch = pdl_options(pdl, num_warps=_NUM_WARPS)
     if P <= single_program_max_pairs:
         _route_single_kernel[(1,)](
             *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks,
-            BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, num_warps=_NUM_WARPS)
+            BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, **launch)
         return routing
     num_chunks = triton.cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
-    _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, NB=NB, CHUNK=CHUNK, num_warps=_NUM_WARPS)
+    _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, meta, NB=NB, CHUNK=CHUNK, **launch)
     _route_prefix_kernel[(NB // PREFIX_EXPERTS,)](
         chunk_counts, num_chunks, meta, NB=NB, EC=PREFIX_EXPERTS,
-        CB=min(triton.next_power_of_2(num_chunks), prefix_rows), num_warps=_NUM_WARPS)
+        CB=min(triton.next_power_of_2(num_chunks), prefix_rows), **launch)
     _route_scatter_kernel[(num_chunks,)](
         *ids_args, chunk_counts, sorted_pairs, block_expert, inverse, meta, max_blocks,
         triton.cdiv(max_blocks, num_chunks), triton.cdiv(E, num_chunks),
-        BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, num_warps=_NUM_WARPS)
+        BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, **launch)
     return routing

@@ -18,6 +18,22 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
   max_blocks = P // block_m + min(P, E) bounds the non-empty expert blocks; programs of the blocks past
   the used ones read block_expert = -1 and exit at once.
 No float atomics anywhere: results are bitwise reproducible.
+
+On sm_90+ every kernel is launched with programmatic dependent launch (PDL): a kernel's programs may start
+while its predecessor drains; each waits for the predecessor's completion (``griddepcontrol.wait``) before
+it touches memory, then lets its own successor launch. gemm2 of the fused path is the exception: it starts
+a tile as soon as gemm1 has finished all the tiles of that tile's expert (gemm1 counts its finished tiles
+per expert in ``Routing.tiles_done`` with a release increment; gemm2 acquires the count, and waits for
+gemm1's whole grid only at its end, so that its completion still implies gemm1's). No deadlock: gemm2's
+programs launch only after every gemm1 program has started. Memory that a running kernel still reads is
+never handed to a later allocation of the call (gemm1's row copy lives until the call returns).
+
+NOTE: PDL (with gemm2's per-expert start) against no PDL, H100, CUDA-graph replay medians of interleaved
+rounds (benchmarks/results/ab_pdl_h100.txt, ``ab_fused_experts.py --no-pdl``), us: qwen3 M = 1 31.4 ->
+30.3, M = 64 417.4 -> 410.0, M = 1024 496.4 -> 488.2; mixtral M = 256 1035.3 -> 1029.5; gpt-oss M = 4096
+2587.1 -> 2551.5. Neutral at the power-capped qwen3 and mixtral M = 4096 cells (805.4 -> 810.9 and 4731.7 ->
+4675.4, inside their round-to-round spread). In a scratch A/B, gemm2 waiting for gemm1's whole grid instead
+of per expert kept about half of the gain (qwen3 M = 64 414.6, M = 1024 492.5 us).
 """
 
 from __future__ import annotations
@@ -30,7 +46,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, device_guard, get_config, is_row_major
-from moe_extension.kernels._routing import Routing, route
+from moe_extension.kernels._routing import Routing, pdl_options, route
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -55,6 +71,12 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
 @functools.lru_cache(maxsize=None)
 def tma_capable(device: torch.device) -> bool:
     """Whether the device has TMA (sm_90+); memoized, it is asked on every sorted-path call."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_capable(device: torch.device) -> bool:
+    """Whether kernels on the device can use programmatic dependent launch (sm_90+); memoized."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -93,12 +115,13 @@ def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
     return desc(block_m), desc(cfg.tail_m) if cfg.tail_m else None
 
 
-def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig):
-    """(a_desc, a_tail_desc) of gemm1's A rows copied into sorted order by ``gather_rows_kernel`` when cfg
-    asks for it (``tma_a``) and the device and layout allow; (None, None) selects the gathered pointer loads.
-    The copy is contiguous, so its layout is TMA-capable when rows of K 16-bit elements are 16-byte multiples."""
+def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool = False):
+    """(a_desc, a_tail_desc, rows) of gemm1's A rows copied into sorted order (``rows``) by ``gather_rows_kernel``
+    when cfg asks for it (``tma_a``) and the device and layout allow; (None, None, None) selects the gathered
+    pointer loads. The copy is contiguous, so its layout is TMA-capable when rows of K 16-bit elements are
+    16-byte multiples."""
     if not (cfg.tma_a and tma_capable(x.device) and x.element_size() == 2 and x.shape[1] % 8 == 0):
-        return None, None
+        return None, None, None
     rows = torch.empty((routing.max_blocks * routing.block_m, x.shape[1]), dtype=x.dtype, device=x.device)
     descs = _sorted_rows_descs(rows, routing.block_m, cfg)
     if descs[0] is not None:
@@ -107,14 +130,20 @@ def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig):
         block_k = min(256, triton.next_power_of_2(x.shape[1]))
         kern.gather_rows_kernel[(routing.max_blocks, triton.cdiv(x.shape[1], block_k))](
             x, rows, routing.sorted_pairs, routing.block_expert, routing.inverse.numel(), topk, x.shape[1],
-            x.stride(0), x.stride(1), rows.stride(0), BLOCK_M=routing.block_m, BLOCK_K=block_k, num_warps=8,
+            x.stride(0), x.stride(1), rows.stride(0), BLOCK_M=routing.block_m, BLOCK_K=block_k,
+            **pdl_options(pdl, num_warps=8),
         )
-    return descs
+    return descs + (rows,)
 
 
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
-                  cfg: GemmConfig):
-    """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N]."""
+                  cfg: GemmConfig, pdl: bool = False, signal: bool = False):
+    """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N].
+
+    pdl: launch with programmatic dependent launch. signal: count each finished tile in
+    ``routing.tiles_done[expert]`` (for a gemm2 launched with ``wait_tiles_n1``). Returns the row copy
+    workspace of ``tma_a`` (or None): with PDL it must stay allocated until a kernel that waits for this
+    one's completion has been launched."""
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
@@ -122,20 +151,21 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         w_desc = _weight_desc(w1, 2 * cfg.block_n, cfg)
     else:
         w_desc = _weight_desc(w1, cfg.block_n, cfg, halves=act != kern.ACT_NONE)
-    a_desc, a_tail_desc = _gathered_rows_descs(x, routing, topk, cfg) if out_sorted else (None, None)
+    a_desc, a_tail_desc, rows = _gathered_rows_descs(x, routing, topk, cfg, pdl) if out_sorted else (None,) * 3
     kern.gemm1_sorted_kernel[grid](
         x, a_desc, a_tail_desc, w1, w_desc, bias if bias is not None else out, out,
         weights if weights is not None else out,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
-        routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks, int(bias is not None),
-        int(weights is not None),
+        routing.tiles_done, routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks,
+        int(bias is not None), int(weights is not None),
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
+        **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
+    return rows
 
 
 def effective_splits(N: int, cfg: GemmConfig) -> int:
@@ -144,8 +174,13 @@ def effective_splits(N: int, cfg: GemmConfig) -> int:
     return triton.cdiv(N, per_split)
 
 
-def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig):
-    """y [splits, M, topk, K] of the second GEMM; ``a`` is [sorted rows, N] (a_sorted) or [M, topk, N]."""
+def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False,
+                  wait_tiles_n1: int = 0):
+    """y [splits, M, topk, K] of the second GEMM; ``a`` is [sorted rows, N] (a_sorted) or [M, topk, N].
+
+    pdl: launch with programmatic dependent launch. wait_tiles_n1 > 0 (gemm1's N tiles; with pdl, after a
+    gemm1 launched with ``signal``): each tile waits until its expert's gemm1 tiles have all counted instead
+    of waiting for gemm1's whole grid."""
     E, K, N = w2.shape
     splits = y.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(N, splits), cfg.block_k) * cfg.block_k
@@ -159,30 +194,31 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     kern.gemm2_sorted_kernel[grid](
         a, a_desc, a_tail_desc, w2, w_desc, bias if bias is not None else y, y, weights if weights is not None else y,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
-        routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split, int(bias is not None),
-        int(weights is not None), stride_am, stride_aj, stride_ak, w2.stride(0), w2.stride(1), w2.stride(2),
+        routing.tiles_done, wait_tiles_n1, routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split,
+        int(bias is not None), int(weights is not None), stride_am, stride_aj, stride_ak,
+        w2.stride(0), w2.stride(1), w2.stride(2),
         _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         _stride(weights, 0), _stride(weights, 1),
         A_SORTED=a_sorted,
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, WAIT=wait_tiles_n1 > 0,
+        **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
 
 
-def _sum_slots(y, inverse, out, topk):
+def _sum_slots(y, inverse, out, topk, pdl: bool = False):
     splits, M, _, K = y.shape
     # NOTE: one token row per program, K in 1-2 K chunks: loads of 16 B per thread, and at M = 1 the
     # launch is a handful of programs.
     block_n = min(triton.next_power_of_2(K), 2048)
     kern.sum_slots_kernel[(M, triton.cdiv(K, block_n))](
         y, out, inverse, M, topk, K, splits, y.stride(0), y.stride(1), y.stride(2), y.stride(3),
-        out.stride(0), out.stride(1), BLOCK_T=1, BLOCK_N=block_n, num_warps=4,
+        out.stride(0), out.stride(1), BLOCK_T=1, BLOCK_N=block_n, **pdl_options(pdl, num_warps=4),
     )
 
 
-def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig):
+def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, pdl: bool = False):
     """Rows p of out [P, n_out] for the valid pairs (direct path)."""
     E, two_n, K = w1.shape
     M, topk = topk_ids.shape
@@ -197,11 +233,11 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
         out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
 
 
-def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig):
+def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, pdl: bool = False):
     """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]."""
     E, K, N = w2.shape
     M, topk = topk_ids.shape
@@ -223,7 +259,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
         _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on,
         topk_ids.stride(0), topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1),
         SUM_SLOTS=sum_slots, SLOTS=slots, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
 
 
@@ -231,8 +267,11 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu", *,
                          w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                          expert_map: torch.Tensor | None = None, apply_router_weight_on_input: bool = False,
-                         alpha: float = 1.702, limit: float = 7.0, config: MoeConfig | None = None) -> torch.Tensor:
-    """out [M, K] = sum_j g_j FFN_{e_j}(x) (or sum_j FFN_{e_j}(g_j x) with apply_router_weight_on_input)."""
+                         alpha: float = 1.702, limit: float = 7.0, config: MoeConfig | None = None,
+                         pdl: bool = True) -> torch.Tensor:
+    """out [M, K] = sum_j g_j FFN_{e_j}(x) (or sum_j FFN_{e_j}(g_j x) with apply_router_weight_on_input).
+
+    pdl: programmatic dependent launch where the device has it (False: plain stream order, for A/B runs)."""
     M, K = hidden_states.shape
     E, two_n, _ = w1.shape
     N = two_n // 2
@@ -245,22 +284,29 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     w_in = topk_weights if apply_router_weight_on_input else None
     w_out = None if apply_router_weight_on_input else topk_weights
     out = torch.empty((M, K), dtype=dtype, device=dev)
+    pdl = pdl and pdl_capable(dev)
     with device_guard(dev):
         if cfg.path == "direct":
             a = torch.empty((M, topk, N), dtype=dtype, device=dev)
             _gemv1(hidden_states, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
-                   cfg.gemm1)
-            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2)
+                   cfg.gemm1, pdl)
+            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, pdl)
             return out
-        routing = route(topk_ids, E, cfg.block_m, expert_map)
+        routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
         a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=dtype, device=dev)
-        _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1)
+        # With PDL, gemm2 starts while gemm1 still runs (see the module docstring): gemm1 counts its finished
+        # tiles per expert, gemm2's tiles wait for their expert's count, and gemm1's row copy (if any) stays
+        # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it.
+        rows = _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1,
+                             pdl, signal=pdl)
         splits = effective_splits(N, cfg.gemm2)
         # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
         # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
         y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
-        _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2)
-        _sum_slots(y, routing.inverse, out, topk)
+        _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl,
+                      wait_tiles_n1=triton.cdiv(N, cfg.gemm1.block_n) if pdl else 0)
+        _sum_slots(y, routing.inverse, out, topk, pdl)
+        del rows
     return out
 
 
@@ -277,14 +323,15 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
         return h
     cfg = config or get_config(M, E, two_n // 2, K, topk, dtype, is_row_major(w1), True, dev)
     h_rows = h.view(M * topk, two_n)
+    pdl = pdl_capable(dev)
     with device_guard(dev):
         if cfg.path == "direct":
             _gemv1(hidden_states, w1, w1_bias, h_rows, topk_ids, expert_map, kern.ACT_NONE, topk_weights, 0.0, 0.0,
-                   cfg.gemm1)
+                   cfg.gemm1, pdl)
         else:
-            routing = route(topk_ids, E, cfg.block_m, expert_map)
+            routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
             _gemm1_sorted(hidden_states, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights,
-                          0.0, 0.0, cfg.gemm1)
+                          0.0, 0.0, cfg.gemm1, pdl)
     return h
 
 
@@ -300,10 +347,12 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
         return y
     if config is None:
         config = get_config(M, E, N, K, topk, dtype, True, is_row_major(w2), dev)
+    pdl = pdl_capable(dev)
     with device_guard(dev):
         if config.path == "direct":
-            _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2)
+            _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2, pdl)
         else:
-            routing = route(topk_ids, E, config.block_m, expert_map)
-            _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2)
+            routing = route(topk_ids, E, config.block_m, expert_map, pdl=pdl)
+            _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2,
+                          pdl)
     return y
