@@ -432,7 +432,7 @@ def gemv1_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Per pair p = program_id(1): out[p, n0:n0+BLOCK_N] as in gemm1 (rows of invalid pairs untouched).
 
@@ -441,7 +441,6 @@ def gemv1_kernel(
     NOTE: Triton software-pipelines loads that feed no tl.dot only in loops that carry their own
     num_stages (tl.range), hence NUM_STAGES on the loop.
     """
-    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
@@ -511,7 +510,7 @@ def gemv2_kernel(
     stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """SUM_SLOTS: program (n tile, token t) computes out[t, n] = sum_j valid (W2[e_j] a[t, j] + b2[e_j]) g_j
     (the topk sum fused; a fixed reduction order: deterministic; invalid slots add nothing). Otherwise
@@ -523,7 +522,6 @@ def gemv2_kernel(
     version that walked (slot, k) steps one slot at a time spent ~140 instructions and 5 barriers per 8
     weight elements per thread), invalid slots are masked rows that load nothing.
     """
-    grid_dependency(PDL)
     pid_n = tl.program_id(0)
     if SUM_SLOTS:
         t = tl.program_id(1)

@@ -19,7 +19,8 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
   the used ones read block_expert = -1 and exit at once.
 No float atomics anywhere: results are bitwise reproducible.
 
-On sm_90+ every kernel is launched with programmatic dependent launch (PDL): a kernel's programs may start
+On sm_90+ every kernel of the sorted schedule is launched with programmatic dependent launch (PDL; the
+direct schedule's two GEMVs are not, see the NOTE): a kernel's programs may start
 while its predecessor drains; each waits for the predecessor's completion (``griddepcontrol.wait``) before
 it touches memory, then lets its own successor launch. gemm2 of the fused path is the exception: it starts
 a tile as soon as gemm1 has finished all the tiles of that tile's expert (gemm1 counts its finished tiles
@@ -33,9 +34,9 @@ rounds (benchmarks/results/ab_pdl_h100.txt, ``ab_fused_experts.py --no-pdl``), u
 410.0, M = 1024 496.4 -> 488.2; mixtral M = 256 1035.3 -> 1029.5; gpt-oss M = 16 867.0 -> 854.4, M = 4096
 2587.1 -> 2551.5. Neutral at the power-capped qwen3 and mixtral M = 4096 cells (805.4 -> 810.9 and 4731.7 ->
 4675.4, inside their round-to-round spread). In a scratch A/B, gemm2 waiting for gemm1's whole grid instead
-of per expert kept about half of the gain (qwen3 M = 64 414.6, M = 1024 492.5 us). On the direct schedule
-it is mixed: qwen3 M = 1 31.4 -> 30.3, but gpt-oss M = 1 71.2 -> 72.7 and mixtral M = 1 231.9 -> 235.0
-(a known regression, not yet removed).
+of per expert kept about half of the gain (qwen3 M = 64 414.6, M = 1024 492.5 us). The direct schedule
+with PDL was mixed (same file): qwen3 M = 1 31.4 -> 30.3, but gpt-oss M = 1 71.2 -> 72.7 and mixtral M = 1
+231.9 -> 235.0, so its GEMVs launch without it.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def _sum_slots(y, inverse, out, topk, pdl: bool = False):
     )
 
 
-def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, pdl: bool = False):
+def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig):
     """Rows p of out [P, n_out] for the valid pairs (direct path)."""
     E, two_n, K = w1.shape
     M, topk = topk_ids.shape
@@ -234,11 +235,11 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
         out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, pdl: bool = False):
+def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig):
     """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]."""
     E, K, N = w2.shape
     M, topk = topk_ids.shape
@@ -260,7 +261,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
         _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on,
         topk_ids.stride(0), topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1),
         SUM_SLOTS=sum_slots, SLOTS=slots, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -290,8 +291,8 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         if cfg.path == "direct":
             a = torch.empty((M, topk, N), dtype=dtype, device=dev)
             _gemv1(hidden_states, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
-                   cfg.gemm1, pdl)
-            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, pdl)
+                   cfg.gemm1)
+            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2)
             return out
         routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
         a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=dtype, device=dev)
@@ -328,7 +329,7 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     with device_guard(dev):
         if cfg.path == "direct":
             _gemv1(hidden_states, w1, w1_bias, h_rows, topk_ids, expert_map, kern.ACT_NONE, topk_weights, 0.0, 0.0,
-                   cfg.gemm1, pdl)
+                   cfg.gemm1)
         else:
             routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
             _gemm1_sorted(hidden_states, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights,
@@ -351,7 +352,7 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
     pdl = pdl_capable(dev)
     with device_guard(dev):
         if config.path == "direct":
-            _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2, pdl)
+            _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2)
         else:
             routing = route(topk_ids, E, config.block_m, expert_map, pdl=pdl)
             _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2,
