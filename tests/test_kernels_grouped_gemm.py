@@ -219,6 +219,39 @@ def test_tail_tiles(monkeypatch, act, tma):
     assert_close(out, ref, tolerance(dtype, DEVICE))
 
 
+@pytest.mark.parametrize("tail_m,tma", [(0, False), (16, False), (16, True)])
+def test_padding_rows_stored_as_zero(monkeypatch, tail_m, tma):
+    """gemm1 in sorted order writes every row of the used blocks: valid rows their values, padding rows 0
+    (those past a tail tile too), so gemm2 never multiplies stale rows; with tma_a, the row copy's padding
+    rows are 0 too. Unused blocks stay untouched. Workspaces start poisoned (NaN); w1 has a bias, whose
+    activation is not 0."""
+    if tma:
+        _use_tma(monkeypatch)
+    dtype = CASE_DTYPES[1]
+    bm, K, N = 32, 48, 40
+    torch.manual_seed(11)
+    _, ids, E = _tail_routing(bm)
+    ids = ids.to(DEVICE)
+    ex = random_experts(E, K, N, dtype=dtype, device=DEVICE, bias=True)
+    x = torch.randn(ids.shape[0], K, dtype=dtype, device=DEVICE)
+    tile = GemmConfig(16, 16, 4, 2, tail_m=tail_m, tma_a=tma)
+    r = route(ids, E, bm)
+    h = poison(torch.empty(r.max_blocks * bm, N, dtype=dtype, device=DEVICE))
+    monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
+    copy = fe._gemm1_sorted(x, ex["w1"], ex["w1_bias"], h, True, r, 1, ACTIVATION_CODES["swigluoai"], None,
+                            1.702, 7.0, tile)
+    monkeypatch.undo()
+    used = (r.block_expert >= 0).repeat_interleave(bm)
+    valid = used & (r.sorted_pairs < ids.numel())
+    padding = used & ~valid
+    assert padding.sum() >= bm and (~used).any() and valid.sum() == ((ids >= 0) & (ids < E)).sum()
+    assert (h[padding] == 0).all()
+    assert h[valid].isfinite().all() and (h[valid] != 0).any()
+    assert h[~used].isnan().all()
+    if tma:
+        assert (copy[padding] == 0).all() and copy[valid].isfinite().all() and copy[~used].isnan().all()
+
+
 class _PoisonedAllocations:
     """Stands in for the torch module inside _routing: its workspaces start as -12345, not as zeros."""
 

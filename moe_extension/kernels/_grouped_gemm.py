@@ -130,7 +130,7 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
-    # Padding rows read token 0 (always in bounds) and are never stored: no mask on the A loads.
+    # Padding rows read as 0 (masked loads) and, in sorted order, are stored as 0 (see the NOTE at the end).
     token = tl.where(row_ok, pair // topk, 0)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -159,9 +159,9 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
         if A_DESC:
             a = a_desc.load([row0, kk * BLOCK_K])
         elif EVEN_K:
-            a = tl.load(a_ptrs)
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
             if ACT == 0:
                 w = w_desc.load([expert, n0, kk * BLOCK_K])
@@ -195,12 +195,19 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
         result = activate(gate, up, alpha, limit, ACT)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < N_OUT)[None, :]
     if OUT_SORTED:
-        out_rows = rows.to(tl.int64)
+        # NOTE: every row of a used block holds a value or 0 (padding rows here, the rows past a tail tile
+        # in gemm1_sorted_kernel), so gemm2 multiplies zeros, not stale rows, in its padding rows. Zero
+        # operands cost the tensor cores less power, and the large batches run power-capped: with the A
+        # loads' zero padding rows (they read token 0's row before), qwen3 M = 4096 took 817.6 -> 801.9 us
+        # under sustained replay and gemm1 445.3 -> 430.8 us eager (H100, 5 rounds each; triton_kernels
+        # 776.1 and 774.8 in the same runs; benchmarks/results/ab_zero_padding_h100.txt).
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, tl.where(row_ok[:, None], result, 0.0).to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
-        out_rows = pair.to(tl.int64)
-    o_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
+        o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
 
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
@@ -216,7 +223,8 @@ def gemm1_sorted_kernel(
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
     TAIL_M (0: off): a block with at most TAIL_M valid rows (an expert's last, partial block) runs a TAIL_M-row
-    tile instead, in the same launch and L2 group as its expert's full blocks.
+    tile instead, in the same launch and L2 group as its expert's full blocks. OUT_SORTED: padding rows of
+    the used blocks (those of a tail block past its tile included) are stored as 0.
     W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
     [1, weight rows per tile, BLOCK_K]) or, for the halves activations, of its view [E, 2, N, K] (block
     [1, 2, BLOCK_N, BLOCK_K]: gate and up rows in one load); rows and columns past the end read as 0.
@@ -244,6 +252,12 @@ def gemm1_sorted_kernel(
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
                      ACT, OUT_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+        if OUT_SORTED:  # the block's rows past the tail tile: 0
+            r = tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                     mask=(r >= TAIL_M)[:, None] & (offs_n < N_OUT)[None, :])
     else:
         _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
@@ -383,8 +397,9 @@ def gemm2_sorted_kernel(
 @triton.jit(do_not_specialize=["P", "topk"])
 def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K, stride_xm, stride_xk, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[row, k] = x[sorted[row] // topk, k] for the valid rows of the used blocks, program (block, k
-    tile): gemm1's A operand in sorted order, for TMA loads (padding rows and unused blocks untouched)."""
+    """out[row, k] = x[sorted[row] // topk, k] for the valid rows of the used blocks and 0 for their padding
+    rows, program (block, k tile): gemm1's A operand in sorted order, for TMA loads (unused blocks
+    untouched; zero padding rows: see the NOTE in _gemm1_block)."""
     grid_dependency(PDL)
     block = tl.program_id(0)
     if tl.load(block_expert_ptr + block) < 0:
@@ -394,9 +409,10 @@ def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K,
     row_ok = pair < P
     token = tl.where(row_ok, pair // topk, 0)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = row_ok[:, None] & (offs_k < K)[None, :]
-    vals = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_k[None, :], vals, mask=mask)
+    k_ok = (offs_k < K)[None, :]
+    vals = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                   mask=row_ok[:, None] & k_ok, other=0.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_k[None, :], vals, mask=k_ok)
 
 
 @triton.jit(do_not_specialize=["M", "topk", "SPLITS"])
