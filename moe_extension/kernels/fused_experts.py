@@ -20,8 +20,8 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
 No float atomics anywhere: results are bitwise reproducible.
 
 On sm_90+ every kernel of the sorted schedule is launched with programmatic dependent launch (PDL; the
-direct schedule's two GEMVs are not, see the NOTE): a kernel's programs may start
-while its predecessor drains; each waits for the predecessor's completion (``griddepcontrol.wait``) before
+direct schedule's two GEMVs are not, see the NOTE): a kernel's programs may start while its predecessor
+drains; each waits for the predecessor's completion (``griddepcontrol.wait``) before
 it touches memory, then lets its own successor launch. gemm2 of the fused path is the exception: it starts
 a tile as soon as gemm1 has finished all the tiles of that tile's expert (gemm1 counts its finished tiles
 per expert in ``Routing.tiles_done`` with a release increment; gemm2 acquires the count, and waits for
