@@ -13,7 +13,9 @@ checks every variant's output bitwise against the table config's, and prints per
 A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
 applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
 dependent launch. ``--activation`` times another activation than the benchmark's
-swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--profile`` also prints each
+swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--op expert_gemm2`` times the unfused
+second GEMM (``expert_gemm2_triton`` on a random [M, topk, N] intermediate, router weights applied; the
+routing included) instead of the whole op, without triton_kernels. ``--profile`` also prints each
 kernel's mean time per call over a few eager calls (torch.profiler; short bursts, so clocks run above the
 power-capped ones of the replay timing). CUDA only (``--help`` works anywhere).
 """
@@ -46,7 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="per-kernel eager times of each config")
     p.add_argument("--no-pdl", action="store_true",
                    help="also time the table config without programmatic dependent launch")
-    return p.parse_args(argv)
+    p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
+                   help="what to time (default: the whole op)")
+    args = p.parse_args(argv)
+    if args.op == "expert_gemm2" and args.no_pdl:
+        p.error("--no-pdl times fused_experts only")
+    return args
 
 
 def apply(cfg, variant: dict):
@@ -82,7 +89,7 @@ def main(argv=None) -> int:
 
     import tune_fused_experts as T
     from moe_extension.backends import triton_kernels as tk
-    from moe_extension.kernels import fused_experts_triton
+    from moe_extension.kernels import expert_gemm2_triton, fused_experts_triton
     from moe_extension.kernels._configs import get_config
 
     if not torch.cuda.is_available():
@@ -95,15 +102,24 @@ def main(argv=None) -> int:
     table = get_config(M, E, N, K, topk, torch.bfloat16, True, True, w1.device)
     configs = {"table": table}
     configs.update({f"variant {i}": apply(table, json.loads(v)) for i, v in enumerate(args.variant)})
-    runs = {name: (lambda i, c=c: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
-                                                        args.activation, config=c)) for name, c in configs.items()}
+    if args.op == "expert_gemm2":
+        inter = [torch.randn(M, topk, N, dtype=w2.dtype, device=w2.device) for _ in range(n)]
+
+        def call(c, i):
+            return expert_gemm2_triton(inter[i % n], w2, sets[i % n][2], topk_weights=sets[i % n][1], config=c)
+    else:
+        def call(c, i):
+            return fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2], args.activation,
+                                        config=c)
+    runs = {name: (lambda i, c=c: call(c, i)) for name, c in configs.items()}
     if args.no_pdl:
         runs["table, no PDL"] = lambda i: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                                args.activation, config=table, pdl=False)
-    if tk.is_available() and args.activation == T.ACTIVATION:
+    if tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts":
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                             T.ACTIVATION)
-    print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {args.activation}  {args.rounds} interleaved rounds")
+    what = args.activation if args.op == "fused_experts" else args.op
+    print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {what}  {args.rounds} interleaved rounds")
     ref = runs["table"](0)
     for name, c in configs.items():
         same = torch.equal(runs[name](0), ref)

@@ -29,3 +29,14 @@ def test_activation_and_profile_options():
     assert args.activation == "silu" and args.profile and args.no_pdl
     with pytest.raises(SystemExit):
         ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--activation", "relu"])
+
+
+def test_op_option():
+    assert ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64"]).op == "fused_experts"
+    args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--op", "expert_gemm2"])
+    assert args.op == "expert_gemm2"
+    with pytest.raises(SystemExit):
+        ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--op", "expert_gemm2",
+                                     "--no-pdl"])
+    with pytest.raises(SystemExit):
+        ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--op", "expert_gemm1"])

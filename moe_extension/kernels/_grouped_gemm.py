@@ -304,10 +304,13 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_p
         if A_DESC:
             a = a_desc.load([row0, k_start + kk * BLOCK_K])
         elif EVEN_K:
-            a = tl.load(a_ptrs)
+            # NOTE: padding rows read as 0 (they read pair 0's row before): the unfused expert_gemm2 at
+            # qwen3 M = 4096 took 332.5 -> 323.4 us under replay (eager kernel 282.4 -> 270.1), at M = 64
+            # 146.8 -> 143.6 (H100, benchmarks/results/ab_gemm2_zero_padding_h100.txt).
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             k_ok = offs_k < k_end - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
             w = w_desc.load([expert, n0, k_start + kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
         elif EVEN_K:
