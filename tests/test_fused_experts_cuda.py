@@ -8,18 +8,21 @@ CUDA + quant="none" to the Triton kernels of moe_extension.kernels):
   and fp16 (<= 1e-3) against the fp64 loop of tests/reference.py (small cases) or the PyTorch implementation
   computing in fp32 on the GPU (large ones);
 - indexing past 2^31 elements (M * topk * max(K, 2N) > 2^31);
-- CUDA-graph capture of fused_experts and fused_moe at M in {1, 8, 64, 512}: 12 replays with new inputs,
-  each bitwise equal to eager; no host sync inside the ops;
+- CUDA-graph capture of fused_experts and fused_moe at M in {1, 8, 64, 512} (and at 64, 512 with the
+  persistent gemm2 forced on): 12 replays with new inputs, each bitwise equal to eager; no host sync inside
+  the ops;
 - determinism (bitwise); torch.compile(fullgraph=True, dynamic=True): one graph for M from 2 to 4096 with
   error_on_recompile, and mode="reduce-overhead".
 """
 
+import dataclasses
 import math
 import random
 
 import pytest
 import torch
 
+import moe_extension.kernels.fused_experts as fe
 from moe_extension.ops import fused_experts_torch
 from tests.reference import fused_experts_reference, random_expert_map
 from tests.utils import rel_err
@@ -179,10 +182,30 @@ def _graph_inputs(M, gen, op):
     return [x, g, ids]
 
 
+def _persistent_gemm2(monkeypatch):
+    """Every sorted-path config of the fused path with ``gemm2.persistent`` (sm_90+; skip otherwise)."""
+    if not fe.tma_capable(torch.device("cuda")):
+        pytest.skip("the persistent gemm2 needs sm_90+")
+    table = fe.get_config
+
+    def get_config(*args):
+        cfg = table(*args)
+        if cfg.path != "sorted":
+            return cfg
+        return dataclasses.replace(cfg, gemm2=dataclasses.replace(cfg.gemm2, persistent=True, tail_m=0, split_k=1,
+                                                                  num_stages=min(cfg.gemm2.num_stages, 3)))
+
+    monkeypatch.setattr(fe, "get_config", get_config)
+
+
 @cuda
 @pytest.mark.parametrize("op", ["fused_experts", "fused_moe"])
-@pytest.mark.parametrize("M", [1, 8, 64, 512])
-def test_cuda_graph_replays_match_eager(op, M):
+@pytest.mark.parametrize("M,persistent", [(1, False), (8, False), (64, False), (512, False), (64, True),
+                                          (512, True)])
+def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
+    """persistent: the sorted path with the persistent gemm2 (forced on)."""
+    if persistent:
+        _persistent_gemm2(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(M)
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)

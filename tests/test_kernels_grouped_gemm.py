@@ -261,6 +261,46 @@ def test_padding_rows_stored_as_zero(monkeypatch, tail_m, tma):
         assert (copy[padding] == 0).all() and copy[valid].isfinite().all() and copy[~used].isnan().all()
 
 
+@pytest.mark.parametrize("bias,emap,on_input,group_m,K", [(True, True, False, 8, 48), (False, False, True, 0, 48),
+                                                     (True, False, False, 2, 56), (False, True, False, 8, 44)])
+def test_persistent_gemm2(monkeypatch, bias, emap, on_input, group_m, K):
+    """gemm2.persistent: one program per SM (4 in the interpreter, each walking several tiles) reads and writes
+    each expert's rows through ragged TMA descriptors, and the slot sum reads its sorted rows through
+    ``inverse``: bitwise equal to the non-persistent gemm2 (same dot order) and close to the reference; the
+    padding rows and unused blocks of its output (poisoned) are never written. Both tile orders. K = 44 makes
+    the output rows 88 bytes, not TMA-capable: the non-persistent kernel runs instead."""
+    _use_tma(monkeypatch)
+    dtype = CASE_DTYPES[1]
+    M, topk, E, N, bm = 97, 3, 6, 40, 16
+    x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, bias=bias, emap=emap, on_input=on_input, seed=K + group_m)
+    tile = GemmConfig(16, 16, 4, 2, group_m=group_m, tma_weights=True, tma_a=True)
+    base = MoeConfig("sorted", bm, tile, tile)
+    pers = dataclasses.replace(base, gemm2=dataclasses.replace(tile, persistent=True))
+    assert configs.sanitize(pers, dtype, N, K, topk) == pers
+    launched = []
+    real = fe._gemm2_persistent
+
+    def spy(a, w2_, bias_, y, routing, *args):
+        launched.append((y, routing))
+        real(a, w2_, bias_, y, routing, *args)
+
+    monkeypatch.setattr(fe, "_gemm2_persistent", spy)
+    ref = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=base, **kw)
+    monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
+    out = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=pers, **kw)
+    monkeypatch.setattr(fe, "torch", torch)
+    assert torch.equal(out, ref)
+    assert_close(out, fused_experts_reference(x, w1, w2, g, ids, "swigluoai", **kw), tolerance(dtype, DEVICE))
+    if K * dtype.itemsize % 16:
+        assert not launched
+        return
+    (y, r), = launched
+    assert (r.expert_counts > bm).any() and (r.expert_counts % bm > 0).any(), "multi-block and partial experts"
+    valid = torch.zeros(y.shape[0], dtype=torch.bool, device=DEVICE)
+    valid[r.inverse[r.inverse >= 0].long()] = True
+    assert y[valid].isfinite().all() and y[~valid].isnan().all()
+
+
 @pytest.mark.parametrize("single_program_max_pairs", [0, 128])
 @pytest.mark.parametrize("tail_m", [0, 16])
 def test_gemm2_starts_on_counted_gemm1_tiles(monkeypatch, tail_m, single_program_max_pairs):

@@ -14,7 +14,7 @@ gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blo
 kernel), ``num_warps``, ``num_stages``, ``tma_weights`` (sorted: weight tiles loaded by TMA where the layout
 allows), ``tail_m`` (sorted: partial blocks with at most tail_m valid rows run tail_m-row tiles), ``tma_a``
 (sorted, fused path: gemm2's sorted intermediate rows, and gemm1's token rows copied into sorted order,
-loaded by TMA).
+loaded by TMA), ``persistent`` (sorted, fused path: gemm2 as a persistent kernel, one program per SM).
 
 Table file (written by ``benchmarks/tune_fused_experts.py``)::
 
@@ -42,6 +42,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # NOTE: Triton reserves some shared memory for layout conversions; staying under 200 KB of pipelined
 # tiles keeps every config below the H100's 227 KB per-block limit (a compile error otherwise).
 SMEM_BUDGET = 200 * 1024
+# NOTE: the persistent gemm2 also holds its [block_m, block_n] output tile in shared memory for the TMA
+# store: 3 stages of 128 x (128 + 256) x 64 bf16 plus the 128 x 256 tile compiled to 213,528 B on the H100.
+PERSISTENT_SMEM_BUDGET = 216 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,11 @@ class GemmConfig:
     # NOTE: H100, gemm1 with the copy: mixtral M = 4096 3114 -> 2889 us + 40 us of copy (a win); qwen3
     # M = 4096 451 -> 433 us + 62 us of copy (a loss): a per-shape choice of the table.
     tma_a: bool = False
+    # Sorted path, fused gemm2 only: one program per SM walks the tiles (``_gemm2_persistent``): A rows and
+    # output rows by ragged TMA bounded to each expert (padding rows neither read nor written), the output in
+    # sorted order for the slot sum; tail_m and split_k do not apply. Needs sm_90+, 16-bit activations and
+    # TMA-capable layouts, else the non-persistent kernel runs.
+    persistent: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,11 +261,15 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1) 
     if cfg.path == "sorted":
         bm = min(128, max(16, triton_next_pow2(cfg.block_m)))
         g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm)), bm, 2, 16, esize)
-        g2 = _fit(dataclasses.replace(g2, tail_m=_tail(g2.tail_m, bm)), bm, 1, 16, esize)
-        g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
+        if g2.persistent:
+            g2 = _fit(dataclasses.replace(g2, tail_m=0, split_k=1), bm, 1, 16, esize, out_tile=True)
+        else:
+            g2 = _fit(dataclasses.replace(g2, tail_m=_tail(g2.tail_m, bm)), bm, 1, 16, esize)
+            g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
         return MoeConfig("sorted", bm, g1, g2)
-    g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False), 0, 2, 1, esize)
-    g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False), 0, triton_next_pow2(topk), 1, esize)
+    g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False, persistent=False), 0, 2, 1, esize)
+    g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False, persistent=False), 0,
+              triton_next_pow2(topk), 1, esize)
     return MoeConfig("direct", 0, g1, g2)
 
 
@@ -268,21 +280,23 @@ def _tail(tail_m: int, block_m: int) -> int:
     return min(block_m // 2, max(16, _pow2_floor(tail_m)))
 
 
-def _fit(g: GemmConfig, block_m: int, col_mult: int, min_n: int, esize: int) -> GemmConfig:
+def _fit(g: GemmConfig, block_m: int, col_mult: int, min_n: int, esize: int, out_tile: bool = False) -> GemmConfig:
     """Power-of-two tiles (block_k >= 16, block_n >= min_n), 2-6 stages whose tiles (block_m x block_k
     activations + block_k x col_mult * block_n weights) fit SMEM_BUDGET: fewer stages first, then a
-    shorter block_k, then a narrower block_n."""
+    shorter block_k, then a narrower block_n. ``out_tile`` (the persistent gemm2): plus the block_m x
+    block_n output tile, within PERSISTENT_SMEM_BUDGET."""
     bn, bk = max(min_n, _pow2_floor(g.block_n)), max(16, _pow2_floor(g.block_k))
     stages = max(2, min(g.num_stages, 6))
+    budget = PERSISTENT_SMEM_BUDGET if out_tile else SMEM_BUDGET
 
     def smem():
-        return stages * (block_m + col_mult * bn) * bk * esize
+        return stages * (block_m + col_mult * bn) * bk * esize + (block_m * bn * esize if out_tile else 0)
 
-    while smem() > SMEM_BUDGET and stages > 2:
+    while smem() > budget and stages > 2:
         stages -= 1
-    while smem() > SMEM_BUDGET and bk > 16:
+    while smem() > budget and bk > 16:
         bk //= 2
-    while smem() > SMEM_BUDGET and bn > min_n:
+    while smem() > budget and bn > min_n:
         bn //= 2
     warps = g.num_warps if g.num_warps in (1, 2, 4, 8, 16) else 4
     return dataclasses.replace(g, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,

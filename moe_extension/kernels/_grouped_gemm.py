@@ -13,6 +13,8 @@ Grouped (expert-sorted) kernels, walking the blocks of ``_routing.route``:
 - ``gemm2_sorted_kernel``: rows of ``a`` (sorted positions or pairs) times ``W2[e]^T`` ([E, K, N]), bias,
   router weight; writes per-slot rows ``y[split, t, j, :]`` (optionally split over the reduction dim).
 - ``sum_slots_kernel``: ``out[t] = sum_{split, j valid} y[split, t, j]`` in a fixed order (deterministic).
+The fused path's gemm2 can also run persistent (``_gemm2_persistent``), writing sorted rows that the slot
+sum reads through ``inverse``.
 gemm1 can count its finished tiles per expert and gemm2 start an expert's tiles once that count is
 complete (the fused path under programmatic dependent launch; see ``fused_experts``).
 Both GEMMs compute one output tile in ``_gemm1_block`` / ``_gemm2_block``; with ``TAIL_M`` set, a block
@@ -423,10 +425,11 @@ def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K,
 def sum_slots_kernel(
     y_ptr, out_ptr, inverse_ptr, M, topk, N_OUT, SPLITS,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_om, stride_on,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, Y_SORTED: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] = sum over splits s and valid slots j (inverse[t * topk + j] >= 0) of y[s, t, j, n], in
-    increasing (s, j): deterministic."""
+    increasing (s, j): deterministic. Y_SORTED: y is [sorted rows, N_OUT] instead (the persistent gemm2's
+    output, one split), the slot's row is inverse[t * topk + j] and stride_yt the row stride."""
     grid_dependency(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -437,8 +440,13 @@ def sum_slots_kernel(
     y_tile = y_ptr + t64[:, None] * stride_yt + offs_n[None, :] * stride_yn
     for _ in range(0, SPLITS):
         for j in range(0, topk):
-            valid = t_ok & (tl.load(inverse_ptr + t64 * topk + j, mask=t_ok, other=-1) >= 0)
-            acc += tl.load(y_tile + j * stride_yj, mask=valid[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            row = tl.load(inverse_ptr + t64 * topk + j, mask=t_ok, other=-1)
+            if Y_SORTED:
+                y_ptrs = y_ptr + tl.maximum(row, 0).to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
+            else:
+                y_ptrs = y_tile + j * stride_yj
+            valid = t_ok & (row >= 0)
+            acc += tl.load(y_ptrs, mask=valid[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         y_tile += stride_ys
     o_ptrs = out_ptr + t64[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])

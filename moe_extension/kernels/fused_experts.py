@@ -16,7 +16,9 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
   grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
   splits) -> per-slot ``y [splits, M, topk, K]`` -> ``sum_slots``, grid (M, cdiv(K, 2048)) -> ``out``.
   max_blocks = P // block_m + min(P, E) bounds the non-empty expert blocks; programs of the blocks past
-  the used ones read block_expert = -1 and exit at once.
+  the used ones read block_expert = -1 and exit at once. With ``gemm2.persistent`` (sm_90+), gemm2 is
+  ``_gemm2_persistent``: one program per SM, grid (SMs,) -> sorted rows ``y [rows, K]``, which
+  ``sum_slots`` reads through ``inverse``.
 No float atomics anywhere: results are bitwise reproducible.
 
 On sm_90+ every kernel of the sorted schedule is launched with programmatic dependent launch (PDL; the
@@ -25,7 +27,8 @@ drains; each waits for the predecessor's completion (``griddepcontrol.wait``) be
 it touches memory, then lets its own successor launch. gemm2 of the fused path is the exception: it starts
 a tile as soon as gemm1 has finished all the tiles of that tile's expert (gemm1 counts its finished tiles
 per expert in ``Routing.tiles_done`` with a release increment; gemm2 acquires the count, and waits for
-gemm1's whole grid only at its end, so that its completion still implies gemm1's). No deadlock: gemm2's
+gemm1's whole grid only at its end, so that its completion still implies gemm1's; the persistent gemm2
+waits for gemm1's grid at its start). No deadlock: gemm2's
 programs launch only after every gemm1 program has started. Memory that a running kernel still reads is
 never handed to a later allocation of the call (gemm1's row copy lives until the call returns).
 
@@ -48,6 +51,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
+from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, device_guard, get_config, is_row_major
 from moe_extension.kernels._routing import Routing, pdl_options, route
 
@@ -209,14 +213,56 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     )
 
 
+def _persistent_gemm2_ok(a: torch.Tensor, w2: torch.Tensor, cfg: GemmConfig) -> bool:
+    """Whether the persistent gemm2 can run on the sorted ``a``: asked for, one split, sm_90+, TMA layouts
+    (``_tma_layout_ok``) for a, w2 and its output rows (contiguous [rows, K] in a's dtype), tiles within TMA's
+    256-element box, and rows within the ragged descriptors' 2^30."""
+    K = w2.shape[1]
+    return (cfg.persistent and cfg.split_k == 1 and cfg.block_n <= 256 and tma_capable(a.device)
+            and _tma_layout_ok(a, cfg.block_k) and _tma_layout_ok(w2, cfg.block_k)
+            and K * a.element_size() % 16 == 0 and a.shape[0] < RAGGED_ROWS)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Programs of a persistent launch: the SMs of a GPU; 4 in the interpreter (several tiles each)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _gemm2_persistent(a, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False):
+    """y [sorted rows, K] of the second GEMM from the sorted ``a`` [sorted rows, N], one program per SM (see
+    ``_gemm2_persistent``); rows of the padding and of unused blocks are not written."""
+    E, K, N = w2.shape
+    bm = routing.block_m
+    sms = _sm_count(a.device)
+    w_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, cfg.block_n, cfg.block_k])
+    grid = (min(sms, routing.max_blocks * triton.cdiv(K, cfg.block_n)),)
+    gemm2_persistent_kernel[grid](
+        ragged_rows_desc(a, bm, cfg.block_k), w_desc, ragged_rows_desc(y, bm, cfg.block_n),
+        bias if bias is not None else y, weights if weights is not None else y,
+        routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
+        E - 1, routing.inverse.numel(), topk, K, N, int(weights is not None),
+        _stride(bias, 0), _stride(bias, 1), _stride(weights, 0), _stride(weights, 1),
+        HAS_BIAS=bias is not None, DOT_PREC=_dot_precision(a.dtype), BLOCK_M=bm, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=sms,
+        **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
+
+
 def _sum_slots(y, inverse, out, topk, pdl: bool = False):
-    splits, M, _, K = y.shape
+    """out [M, K] from per-slot rows y [splits, M, topk, K], or from sorted rows y [rows, K] (2-D: the
+    persistent gemm2's) read through ``inverse``."""
+    M, K = out.shape
+    if y.dim() == 2:
+        splits, strides = 1, (0, y.stride(0), 0, y.stride(1))
+    else:
+        splits, strides = y.shape[0], y.stride()
     # NOTE: one token row per program, K in 1-2 K chunks: loads of 16 B per thread, and at M = 1 the
     # launch is a handful of programs.
     block_n = min(triton.next_power_of_2(K), 2048)
     kern.sum_slots_kernel[(M, triton.cdiv(K, block_n))](
-        y, out, inverse, M, topk, K, splits, y.stride(0), y.stride(1), y.stride(2), y.stride(3),
-        out.stride(0), out.stride(1), BLOCK_T=1, BLOCK_N=block_n, **pdl_options(pdl, num_warps=4),
+        y, out, inverse, M, topk, K, splits, *strides, out.stride(0), out.stride(1), BLOCK_T=1, BLOCK_N=block_n,
+        Y_SORTED=y.dim() == 2, **pdl_options(pdl, num_warps=4),
     )
 
 
@@ -299,14 +345,20 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         # With PDL, gemm2 starts while gemm1 still runs (see the module docstring): gemm1 counts its finished
         # tiles per expert, gemm2's tiles wait for their expert's count, and gemm1's row copy (if any) stays
         # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it.
+        persistent = _persistent_gemm2_ok(a, w2, cfg.gemm2)
         rows = _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1,
-                             pdl, signal=pdl)
-        splits = effective_splits(N, cfg.gemm2)
-        # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
-        # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
-        y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
-        _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl,
-                      wait_tiles_n1=triton.cdiv(N, cfg.gemm1.block_n) if pdl else 0)
+                             pdl, signal=pdl and not persistent)
+        if persistent:
+            # Sorted rows (padding rows never written), summed through routing.inverse.
+            y = torch.empty((a.shape[0], K), dtype=dtype, device=dev)
+            _gemm2_persistent(a, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl)
+        else:
+            splits = effective_splits(N, cfg.gemm2)
+            # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
+            # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
+            y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
+            _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl,
+                          wait_tiles_n1=triton.cdiv(N, cfg.gemm1.block_n) if pdl else 0)
         _sum_slots(y, routing.inverse, out, topk, pdl)
         del rows
     return out
