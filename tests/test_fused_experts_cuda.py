@@ -182,8 +182,9 @@ def _graph_inputs(M, gen, op):
     return [x, g, ids]
 
 
-def _persistent_gemm2(monkeypatch):
-    """Every sorted-path config of the fused path with ``gemm2.persistent`` (sm_90+; skip otherwise)."""
+def _persistent_gemm2(monkeypatch) -> list:
+    """Every sorted-path config of the fused path with ``gemm2.persistent`` (sm_90+; skip otherwise); returns
+    the list that records each launch of the persistent gemm2 (so a test can check the path was taken)."""
     if not fe.tma_capable(torch.device("cuda")):
         pytest.skip("the persistent gemm2 needs sm_90+")
     table = fe.get_config
@@ -196,6 +197,15 @@ def _persistent_gemm2(monkeypatch):
                                                                   num_stages=min(cfg.gemm2.num_stages, 3)))
 
     monkeypatch.setattr(fe, "get_config", get_config)
+    launches = []
+    launch = fe._gemm2_persistent
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fe, "_gemm2_persistent", counted)
+    return launches
 
 
 @cuda
@@ -204,8 +214,7 @@ def _persistent_gemm2(monkeypatch):
                                           (512, True)])
 def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
     """persistent: the sorted path with the persistent gemm2 (forced on)."""
-    if persistent:
-        _persistent_gemm2(monkeypatch)
+    launches = _persistent_gemm2(monkeypatch) if persistent else None
     gen = torch.Generator(device="cuda").manual_seed(M)
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)
@@ -244,6 +253,8 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
         expected = call(fresh)
         torch.cuda.synchronize()
         assert torch.equal(static_out, expected), "replay must equal eager bitwise"
+    if persistent:
+        assert launches, "the persistent gemm2 ran"
 
 
 @cuda

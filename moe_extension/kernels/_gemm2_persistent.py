@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_extension.kernels._grouped_gemm import _tile
+from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, _tile
 from moe_extension.kernels._routing import grid_dependency
 
 # Rows of the ragged dim (2^30): the TMA bound that masks the rows past an expert's count (the device helpers
@@ -63,8 +63,7 @@ def _store_rows(desc, start, count, r, c, tile, BR: tl.constexpr, BC: tl.constex
     desc.store([ROWS, start + count, ROWS - count + r, c], tile.reshape(1, 1, BR, BC))
 
 
-@triton.jit(do_not_specialize=["last_expert", "P", "topk", "apply_weight", "stride_be", "stride_bn", "stride_gm",
-                               "stride_gk"])
+@triton.jit(do_not_specialize=["last_expert", "P", "topk", "apply_weight", *_RUNTIME_STRIDES])
 def gemm2_persistent_kernel(
     a_desc, w_desc, y_desc, bias_ptr, gw_ptr, sorted_ptr, block_expert_ptr, counts_ptr, starts_ptr,
     last_expert, P, topk, N_OUT, K, apply_weight, stride_be, stride_bn, stride_gm, stride_gk,
