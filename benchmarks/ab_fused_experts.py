@@ -12,7 +12,8 @@ checks every variant's output bitwise against the table config's, and prints per
 
 A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
 applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
-dependent launch. ``--activation`` times another activation than the benchmark's
+dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launched with PDL
+(``fused_experts.PERSISTENT_GEMM2_PDL``). ``--activation`` times another activation than the benchmark's
 swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--op expert_gemm2`` times the unfused
 second GEMM (``expert_gemm2_triton`` on a random [M, topk, N] intermediate, router weights applied; the
 routing included) instead of the whole op, without triton_kernels. ``--profile`` also prints each
@@ -48,11 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="per-kernel eager times of each config")
     p.add_argument("--no-pdl", action="store_true",
                    help="also time the table config without programmatic dependent launch")
+    p.add_argument("--persistent-pdl", action="store_true",
+                   help="also time the table config with the persistent gemm2 launched with PDL")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
                    help="what to time (default: the whole op)")
     args = p.parse_args(argv)
-    if args.op == "expert_gemm2" and args.no_pdl:
-        p.error("--no-pdl times fused_experts only")
+    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl):
+        p.error("--no-pdl and --persistent-pdl time fused_experts only")
     return args
 
 
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     import tune_fused_experts as T
     from moe_extension.backends import triton_kernels as tk
     from moe_extension.kernels import expert_gemm2_triton, fused_experts_triton
+    import moe_extension.kernels.fused_experts as fe
     from moe_extension.kernels._configs import get_config
 
     if not torch.cuda.is_available():
@@ -115,6 +119,15 @@ def main(argv=None) -> int:
     if args.no_pdl:
         runs["table, no PDL"] = lambda i: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                                args.activation, config=table, pdl=False)
+    if args.persistent_pdl:
+        def persistent_pdl(i):
+            fe.PERSISTENT_GEMM2_PDL = True  # read at launch: during the capture too
+            try:
+                return call(table, i)
+            finally:
+                fe.PERSISTENT_GEMM2_PDL = False
+
+        runs["table, persistent gemm2 PDL"] = persistent_pdl
     if tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts":
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                             T.ACTIVATION)
@@ -125,8 +138,9 @@ def main(argv=None) -> int:
         same = torch.equal(runs[name](0), ref)
         print(f"  {name:14s} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}")
-    if args.no_pdl:
-        print(f"  table, no PDL  bitwise equal to table: {torch.equal(runs['table, no PDL'](0), ref)}")
+    for name in ("table, no PDL", "table, persistent gemm2 PDL"):
+        if name in runs:
+            print(f"  {name}  bitwise equal to table: {torch.equal(runs[name](0), ref)}")
     times = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, fn in runs.items():

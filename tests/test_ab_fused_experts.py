@@ -23,10 +23,10 @@ def test_variant_overrides_only_the_named_fields():
 
 def test_activation_and_profile_options():
     args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64"])
-    assert args.activation == "swigluoai" and not args.profile and not args.no_pdl
+    assert args.activation == "swigluoai" and not args.profile and not args.no_pdl and not args.persistent_pdl
     args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--activation", "silu",
-                                        "--profile", "--no-pdl"])
-    assert args.activation == "silu" and args.profile and args.no_pdl
+                                        "--profile", "--no-pdl", "--persistent-pdl"])
+    assert args.activation == "silu" and args.profile and args.no_pdl and args.persistent_pdl
     with pytest.raises(SystemExit):
         ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--activation", "relu"])
 
@@ -38,5 +38,8 @@ def test_op_option():
     with pytest.raises(SystemExit):
         ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--op", "expert_gemm2",
                                      "--no-pdl"])
+    with pytest.raises(SystemExit):
+        ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--op", "expert_gemm2",
+                                     "--persistent-pdl"])
     with pytest.raises(SystemExit):
         ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--op", "expert_gemm1"])

@@ -211,10 +211,13 @@ def _persistent_gemm2(monkeypatch) -> list:
 @cuda
 @pytest.mark.parametrize("op", ["fused_experts", "fused_moe"])
 @pytest.mark.parametrize("M,persistent", [(1, False), (8, False), (64, False), (512, False), (64, True),
-                                          (512, True)])
+                                          (512, True), (512, "pdl")])
 def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
-    """persistent: the sorted path with the persistent gemm2 (forced on)."""
+    """persistent: the sorted path with the persistent gemm2 (forced on); "pdl": launched with PDL too
+    (``PERSISTENT_GEMM2_PDL``, off by default)."""
     launches = _persistent_gemm2(monkeypatch) if persistent else None
+    if persistent == "pdl":
+        monkeypatch.setattr(fe, "PERSISTENT_GEMM2_PDL", True)
     gen = torch.Generator(device="cuda").manual_seed(M)
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)

@@ -228,12 +228,14 @@ class _PoisonedAllocations:
         return poison(torch.empty(*size, **kwargs))
 
 
-@pytest.mark.parametrize("tail_m,tma", [(0, False), (16, False), (16, True)])
-def test_padding_rows_stored_as_zero(monkeypatch, tail_m, tma):
+@pytest.mark.parametrize("tail_m,tma,zero_padding", [(0, False, True), (16, False, True), (16, True, True),
+                                                    (16, False, False), (0, True, False)])
+def test_padding_rows_stored_as_zero(monkeypatch, tail_m, tma, zero_padding):
     """gemm1 in sorted order writes every row of the used blocks: valid rows their values, padding rows 0
     (those past a tail tile too), so gemm2 never multiplies stale rows; with tma_a, the row copy's padding
-    rows are 0 too. Unused blocks stay untouched. Workspaces start poisoned (NaN); w1 has a bias, whose
-    activation is not 0."""
+    rows are 0 too. Unused blocks stay untouched. With zero_padding=False (the persistent gemm2 reads only
+    valid rows) the padding rows are not written either. Workspaces start poisoned (NaN); w1 has a bias,
+    whose activation is not 0."""
     if tma:
         _use_tma(monkeypatch)
     dtype = CASE_DTYPES[1]
@@ -248,13 +250,13 @@ def test_padding_rows_stored_as_zero(monkeypatch, tail_m, tma):
     h = poison(torch.empty(r.max_blocks * bm, N, dtype=dtype, device=DEVICE))
     monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
     copy = fe._gemm1_sorted(x, ex["w1"], ex["w1_bias"], h, True, r, 1, ACTIVATION_CODES["swigluoai"], None,
-                            1.702, 7.0, tile)
+                            1.702, 7.0, tile, zero_padding=zero_padding)
     monkeypatch.undo()
     used = (r.block_expert >= 0).repeat_interleave(bm)
     valid = used & (r.sorted_pairs < ids.numel())
     padding = used & ~valid
     assert padding.sum() >= bm and (~used).any() and valid.sum() == ((ids >= 0) & (ids < E)).sum()
-    assert (h[padding] == 0).all()
+    assert (h[padding] == 0).all() if zero_padding else h[padding].isnan().all()
     assert h[valid].isfinite().all() and (h[valid] != 0).any()
     assert h[~used].isnan().all()
     if tma:

@@ -125,7 +125,8 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
                  P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                  stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                  stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                 ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                 ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT_PREC: tl.constexpr,
                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
                  A_DESC: tl.constexpr):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``)."""
@@ -207,7 +208,10 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
         # (H100, 5 rounds each; triton_kernels 776.1 and 774.8 in the same runs;
         # benchmarks/results/ab_zero_padding_h100.txt).
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(o_ptrs, tl.where(row_ok[:, None], result, 0.0).to(out_ptr.dtype.element_ty), mask=n_ok)
+        if ZERO_PAD:
+            tl.store(o_ptrs, tl.where(row_ok[:, None], result, 0.0).to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
     else:
         o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
@@ -219,15 +223,16 @@ def gemm1_sorted_kernel(
     counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-    ACT: tl.constexpr, OUT_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, SIGNAL: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
     TAIL_M (0: off): a block with at most TAIL_M valid rows (an expert's last, partial block) runs a TAIL_M-row
-    tile instead, in the same launch and L2 group as its expert's full blocks. OUT_SORTED: padding rows of
-    the used blocks (those of a tail block past its tile included) are stored as 0.
+    tile instead, in the same launch and L2 group as its expert's full blocks. OUT_SORTED: the rows are
+    sorted positions; with ZERO_PAD the padding rows of the used blocks (those of a tail block past its tile
+    included) are stored as 0, without it they are not written (for a consumer that reads only valid rows).
     W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
     [1, weight rows per tile, BLOCK_K]) or, for the halves activations, of its view [E, 2, N, K] (block
     [1, 2, BLOCK_N, BLOCK_K]: gate and up rows in one load); rows and columns past the end read as 0.
@@ -254,8 +259,8 @@ def gemm1_sorted_kernel(
                      pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
-        if OUT_SORTED:  # the block's rows past the tail tile: 0
+                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+        if OUT_SORTED and ZERO_PAD:  # the block's rows past the tail tile: 0
             r = tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
@@ -266,7 +271,7 @@ def gemm1_sorted_kernel(
                      pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
                      stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
     if SIGNAL:
         # Every thread's stores come before one gpu-scope release increment of the expert's counter.
         tl.debug_barrier()

@@ -28,7 +28,7 @@ it touches memory, then lets its own successor launch. gemm2 of the fused path i
 a tile as soon as gemm1 has finished all the tiles of that tile's expert (gemm1 counts its finished tiles
 per expert in ``Routing.tiles_done`` with a release increment; gemm2 acquires the count, and waits for
 gemm1's whole grid only at its end, so that its completion still implies gemm1's; the persistent gemm2
-waits for gemm1's grid at its start). No deadlock: gemm2's
+launches without PDL, see ``PERSISTENT_GEMM2_PDL``). No deadlock: gemm2's
 programs launch only after every gemm1 program has started. Memory that a running kernel still reads is
 never handed to a later allocation of the call (gemm1's row copy lives until the call returns).
 
@@ -54,6 +54,14 @@ from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, device_guard, get_config, is_row_major
 from moe_extension.kernels._routing import Routing, pdl_options, route
+
+
+# NOTE: the persistent gemm2 launches in plain stream order (after gemm1's completion; the slot sum after it
+# keeps PDL). H100, qwen3-30b-a3b M = 4096, 8 interleaved rounds of ``ab_fused_experts.py --persistent-pdl``
+# (benchmarks/results/ab_persistent_pdl_h100.txt): median 785.0 us with PDL -> 775.9 without (triton_kernels
+# 774.9). Scratch runs from a cool start (same file) agree: 786.5 -> 779.6 us over the first 15 replays. The
+# slot sum alone without PDL gained nothing; why a PDL launch of this kernel costs is not established.
+PERSISTENT_GEMM2_PDL = False
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -143,11 +151,13 @@ def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool =
 
 
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
-                  cfg: GemmConfig, pdl: bool = False, signal: bool = False):
+                  cfg: GemmConfig, pdl: bool = False, signal: bool = False, zero_padding: bool = True):
     """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N].
 
-    pdl: launch with programmatic dependent launch. signal: count each finished tile in
-    ``routing.tiles_done[expert]`` (for a gemm2 launched with ``wait_tiles_n1``). Returns the row copy
+    zero_padding (out_sorted): store the padding rows of the used blocks as 0 (False: leave them unwritten,
+    for a consumer that reads only valid rows). pdl: launch with programmatic dependent launch. signal: count
+    each finished tile in ``routing.tiles_done[expert]`` (for a gemm2 launched with ``wait_tiles_n1``).
+    Returns the row copy
     workspace of ``tma_a`` (or None): with PDL it must stay allocated until a kernel that waits for this
     one's completion has been launched."""
     E, two_n, K = w1.shape
@@ -166,7 +176,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         int(bias is not None), int(weights is not None),
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
-        ACT=act, OUT_SORTED=out_sorted, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
+        ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -344,14 +354,16 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=dtype, device=dev)
         # With PDL, gemm2 starts while gemm1 still runs (see the module docstring): gemm1 counts its finished
         # tiles per expert, gemm2's tiles wait for their expert's count, and gemm1's row copy (if any) stays
-        # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it.
+        # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it. The
+        # persistent gemm2 reads only valid rows, so gemm1 leaves the padding rows unwritten for it (at qwen3
+        # M = 4096 ~8k rows, 12.6 MB of stores; the end-to-end change was inside the noise).
         persistent = _persistent_gemm2_ok(a, w2, cfg.gemm2)
         rows = _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1,
-                             pdl, signal=pdl and not persistent)
+                             pdl, signal=pdl and not persistent, zero_padding=not persistent)
         if persistent:
             # Sorted rows (padding rows never written), summed through routing.inverse.
             y = torch.empty((a.shape[0], K), dtype=dtype, device=dev)
-            _gemm2_persistent(a, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl)
+            _gemm2_persistent(a, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl and PERSISTENT_GEMM2_PDL)
         else:
             splits = effective_splits(N, cfg.gemm2)
             # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
