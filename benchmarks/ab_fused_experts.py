@@ -89,11 +89,11 @@ def kernel_times_us(fn, calls: int = 5) -> dict[str, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-
     import tune_fused_experts as T
+
+    import moe_extension.kernels.fused_experts as fe
     from moe_extension.backends import triton_kernels as tk
     from moe_extension.kernels import expert_gemm2_triton, fused_experts_triton
-    import moe_extension.kernels.fused_experts as fe
     from moe_extension.kernels._configs import get_config
 
     if not torch.cuda.is_available():

@@ -230,7 +230,7 @@ class _PoisonedAllocations:
 
 @pytest.mark.parametrize("tail_m,tma,zero_padding", [(0, False, True), (16, False, True), (16, True, True),
                                                     (16, False, False), (0, True, False)])
-def test_padding_rows_stored_as_zero(monkeypatch, tail_m, tma, zero_padding):
+def test_gemm1_padding_rows(monkeypatch, tail_m, tma, zero_padding):
     """gemm1 in sorted order writes every row of the used blocks: valid rows their values, padding rows 0
     (those past a tail tile too), so gemm2 never multiplies stale rows; with tma_a, the row copy's padding
     rows are 0 too. Unused blocks stay untouched. With zero_padding=False (the persistent gemm2 reads only

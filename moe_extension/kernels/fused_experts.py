@@ -157,9 +157,8 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     zero_padding (out_sorted): store the padding rows of the used blocks as 0 (False: leave them unwritten,
     for a consumer that reads only valid rows). pdl: launch with programmatic dependent launch. signal: count
     each finished tile in ``routing.tiles_done[expert]`` (for a gemm2 launched with ``wait_tiles_n1``).
-    Returns the row copy
-    workspace of ``tma_a`` (or None): with PDL it must stay allocated until a kernel that waits for this
-    one's completion has been launched."""
+    Returns the row copy workspace of ``tma_a`` (or None): with PDL it must stay allocated until a kernel
+    that waits for this one's completion has been launched."""
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
@@ -176,7 +175,8 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         int(bias is not None), int(weights is not None),
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
-        ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0, DOT_PREC=_dot_precision(x.dtype),
+        ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
+        DOT_PREC=_dot_precision(x.dtype),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
