@@ -184,7 +184,8 @@ def _graph_inputs(M, gen, op):
 
 def _persistent_gemm2(monkeypatch) -> list:
     """Every sorted-path config of the fused path with ``gemm2.persistent`` (sm_90+; skip otherwise); returns
-    the list that records each launch of the persistent gemm2 (so a test can check the path was taken)."""
+    the list that records the ``pdl`` flag of each launch of the persistent gemm2 (so a test can check the
+    path was taken, and how it was launched)."""
     if not fe.tma_capable(torch.device("cuda")):
         pytest.skip("the persistent gemm2 needs sm_90+")
     table = fe.get_config
@@ -200,9 +201,9 @@ def _persistent_gemm2(monkeypatch) -> list:
     launches = []
     launch = fe._gemm2_persistent
 
-    def counted(*args, **kwargs):
-        launches.append(args[0].shape)
-        return launch(*args, **kwargs)
+    def counted(a, w2, bias, y, routing, topk, weights, cfg, pdl=False):
+        launches.append(pdl)
+        return launch(a, w2, bias, y, routing, topk, weights, cfg, pdl)
 
     monkeypatch.setattr(fe, "_gemm2_persistent", counted)
     return launches
@@ -258,6 +259,7 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
         assert torch.equal(static_out, expected), "replay must equal eager bitwise"
     if persistent:
         assert launches, "the persistent gemm2 ran"
+        assert all(pdl == (persistent == "pdl") for pdl in launches), "launched with PDL only when asked"
 
 
 @cuda

@@ -132,7 +132,8 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
-    # Padding rows read as 0 (masked loads) and, in sorted order, are stored as 0 (see the NOTE at the end).
+    # Padding rows read as 0 (masked loads) and, in sorted order with ZERO_PAD, are stored as 0 (see the NOTE
+    # at the end).
     token = tl.where(row_ok, pair // topk, 0)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk

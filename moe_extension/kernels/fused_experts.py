@@ -241,7 +241,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _gemm2_persistent(a, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False):
     """y [sorted rows, K] of the second GEMM from the sorted ``a`` [sorted rows, N], one program per SM (see
-    ``_gemm2_persistent``); rows of the padding and of unused blocks are not written."""
+    the module ``_gemm2_persistent``); rows of the padding and of unused blocks are neither read nor written."""
     E, K, N = w2.shape
     bm = routing.block_m
     sms = _sm_count(a.device)
