@@ -12,8 +12,8 @@ checks every variant's output bitwise against the table config's, and prints per
 
 A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
 applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
-dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launched with PDL
-(``fused_experts.PERSISTENT_GEMM2_PDL``). ``--activation`` times another activation than the benchmark's
+dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launched with PDL (the
+launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without). ``--activation`` times another activation than the benchmark's
 swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--op expert_gemm2`` times the unfused
 second GEMM (``expert_gemm2_triton`` on a random [M, topk, N] intermediate, router weights applied; the
 routing included) instead of the whole op, without triton_kernels. ``--profile`` also prints each
@@ -120,12 +120,16 @@ def main(argv=None) -> int:
         runs["table, no PDL"] = lambda i: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                                args.activation, config=table, pdl=False)
     if args.persistent_pdl:
+        launch_persistent = fe._gemm2_persistent
+
         def persistent_pdl(i):
-            fe.PERSISTENT_GEMM2_PDL = True  # read at launch: during the capture too
+            # the persistent gemm2 launched with PDL (where the device has it), for this call only: the
+            # wrapper is in place while the benchmark captures the call, so the graph replays it
+            fe._gemm2_persistent = lambda *a, pdl=False: launch_persistent(*a, pdl=fe.pdl_capable(a[0].device))
             try:
                 return call(table, i)
             finally:
-                fe.PERSISTENT_GEMM2_PDL = False
+                fe._gemm2_persistent = launch_persistent
 
         runs["table, persistent gemm2 PDL"] = persistent_pdl
     if tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts":

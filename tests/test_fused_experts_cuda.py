@@ -182,10 +182,10 @@ def _graph_inputs(M, gen, op):
     return [x, g, ids]
 
 
-def _persistent_gemm2(monkeypatch) -> list:
+def _persistent_gemm2(monkeypatch, force_pdl: bool = False) -> list:
     """Every sorted-path config of the fused path with ``gemm2.persistent`` (sm_90+; skip otherwise); returns
     the list that records the ``pdl`` flag of each launch of the persistent gemm2 (so a test can check the
-    path was taken, and how it was launched)."""
+    path was taken, and how it was launched). ``force_pdl``: launch it with PDL."""
     if not fe.tma_capable(torch.device("cuda")):
         pytest.skip("the persistent gemm2 needs sm_90+")
     table = fe.get_config
@@ -202,6 +202,7 @@ def _persistent_gemm2(monkeypatch) -> list:
     launch = fe._gemm2_persistent
 
     def counted(a, w2, bias, y, routing, topk, weights, cfg, pdl=False):
+        pdl = pdl or force_pdl
         launches.append(pdl)
         return launch(a, w2, bias, y, routing, topk, weights, cfg, pdl)
 
@@ -215,10 +216,8 @@ def _persistent_gemm2(monkeypatch) -> list:
                                           (512, True), (512, "pdl")])
 def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
     """persistent: the sorted path with the persistent gemm2 (forced on); "pdl": launched with PDL too
-    (``PERSISTENT_GEMM2_PDL``, off by default)."""
-    launches = _persistent_gemm2(monkeypatch) if persistent else None
-    if persistent == "pdl":
-        monkeypatch.setattr(fe, "PERSISTENT_GEMM2_PDL", True)
+    (the product launches it without)."""
+    launches = _persistent_gemm2(monkeypatch, force_pdl=persistent == "pdl") if persistent else None
     gen = torch.Generator(device="cuda").manual_seed(M)
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)

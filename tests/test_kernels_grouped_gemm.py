@@ -282,9 +282,9 @@ def test_persistent_gemm2(monkeypatch, bias, emap, on_input, group_m, K):
     launched = []
     real = fe._gemm2_persistent
 
-    def spy(a, w2_, bias_, y, routing, *args):
+    def spy(a, w2_, bias_, y, routing, *args, **kwargs):
         launched.append((y, routing))
-        real(a, w2_, bias_, y, routing, *args)
+        real(a, w2_, bias_, y, routing, *args, **kwargs)
 
     monkeypatch.setattr(fe, "_gemm2_persistent", spy)
     ref = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=base, **kw)

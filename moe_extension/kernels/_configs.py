@@ -28,7 +28,6 @@ table fall back to the heuristic.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -92,11 +91,6 @@ class MoeConfig:
             path=d["path"], block_m=int(d.get("block_m", 0)),
             gemm1=GemmConfig(**d["gemm1"]), gemm2=GemmConfig(**d["gemm2"]),
         )
-
-
-def device_guard(device: torch.device):
-    """Triton launches on the current device's current stream: make the tensors' device current."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def is_row_major(w: torch.Tensor) -> bool:

@@ -12,12 +12,12 @@ The rows of ``a`` and ``y`` go through *ragged* TMA descriptors (``ragged_rows_d
 expert, rows [start_e, start_e + count_e): its padding rows are neither read (they load as 0) nor written.
 Tail tiles (``tail_m``) and split reductions do not apply here.
 
-NOTE: H100, qwen3-30b-a3b M = 4096 (bf16, 128 x 256 x 64 tiles, 8 warps, 3 stages), from a scratch
-prototype of this kernel (benchmarks/results/ab_gemm2_persistent_h100.txt): under sustained replay (3 s)
-gemm2 + slot sum took 331.0 -> 315.4 us (triton_kernels' second matmul + reduce 317.5) and the whole op
-830.8 -> 818.5 (triton_kernels 822.1); eager gemm2 260.0 -> 249.9 us. The same loop with plain TMA loads and
-stores of the padded rows took 265.3 us eager, and 275.4 with the router weights loaded after the main loop.
-With the benchmark's short replay windows the whole op is level (802.1 -> 801.0 us, same file).
+NOTE: H100, qwen3-30b-a3b M = 4096 (bf16, 128 x 256 x 64 tiles, 8 warps, 3 stages), the table entry with this
+kernel against the same entry's non-persistent gemm2, 5 interleaved rounds of CUDA-graph replay: 801.0 against
+802.1 us for the whole op (benchmarks/results/ab_gemm2_persistent_h100.txt, from ``python
+benchmarks/ab_fused_experts.py --model qwen3-30b-a3b --tokens 4096 --variant '{"gemm2": {"persistent": false}}'``);
+under 3-s sustained replay its gemm2 + slot sum took 315.4 us against 331.0 (same file). Reading and writing the
+padded rows instead of ragged ones was no faster than the non-persistent kernel.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, _tile
-from moe_extension.kernels._routing import grid_dependency
+from moe_extension.kernels._launch import grid_dependency
 
 # Rows of the ragged dim (2^30): the TMA bound that masks the rows past an expert's count (the device helpers
 # spell it out as a local constexpr: the interpreter mishandles constexpr globals in tensor arithmetic).

@@ -41,7 +41,8 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moe_extension.kernels._routing import grid_dependency, local_expert
+from moe_extension.kernels._launch import grid_dependency
+from moe_extension.kernels._routing import local_expert
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -201,12 +202,10 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     n_ok = (offs_n < N_OUT)[None, :]
     if OUT_SORTED:
         # NOTE: every row of a used block holds a value or 0 (padding rows here, the rows past a tail tile
-        # in gemm1_sorted_kernel), so gemm2 multiplies zeros, not stale rows, in its padding rows. Zero
-        # operands cost the tensor cores less power, and the large batches run power-capped: with this and
-        # the A loads' zero padding rows (before, padding rows read token 0's row and were not stored),
-        # qwen3 M = 4096 took 817.6 -> 801.9 us under sustained replay and gemm1 445.3 -> 430.8 us eager
-        # (H100, 5 rounds each; triton_kernels 776.1 and 774.8 in the same runs;
-        # benchmarks/results/ab_zero_padding_h100.txt).
+        # in gemm1_sorted_kernel), so gemm2 multiplies zeros, not stale rows, in its padding rows: zero
+        # operands cost the tensor cores less power, and the large batches run power-capped. H100, qwen3
+        # M = 4096 under replay: 801.9 us against 817.6 with padding rows that read token 0's row and were not
+        # stored; gemm1 eager 430.8 against 445.3 us (benchmarks/results/ab_zero_padding_h100.txt).
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         if ZERO_PAD:
             tl.store(o_ptrs, tl.where(row_ok[:, None], result, 0.0).to(out_ptr.dtype.element_ty), mask=n_ok)

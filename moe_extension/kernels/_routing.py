@@ -31,7 +31,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from moe_extension.kernels._launch import grid_dependency, pdl_options
 
 # NOTE: pairs handled per loop step / per program. 128 = one element per thread at num_warps=4, so the
 # histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
@@ -60,21 +61,6 @@ class Routing(NamedTuple):
     block_m: int
     max_blocks: int
     tiles_done: torch.Tensor
-
-
-@triton.jit
-def grid_dependency(PDL: tl.constexpr):
-    """Programmatic dependent launch (PDL, sm_90+): wait until the previous kernel in the stream completed
-    and its writes are visible, then let the next kernel's programs launch. A no-op when PDL is off."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-def pdl_options(pdl: bool, **options) -> dict:
-    """Launch options of a kernel with a ``PDL`` constexpr: ``launch_pdl`` only when on (the interpreter and
-    pre-sm_90 launches never see it)."""
-    return dict(options, PDL=True, launch_pdl=True) if pdl else dict(options, PDL=False)
 
 
 def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_extension.kernels._configs import device_guard
+from moe_extension.kernels._launch import device_guard
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -28,23 +28,19 @@ it touches memory, then lets its own successor launch. gemm2 of the fused path i
 a tile as soon as gemm1 has finished all the tiles of that tile's expert (gemm1 counts its finished tiles
 per expert in ``Routing.tiles_done`` with a release increment; gemm2 acquires the count, and waits for
 gemm1's whole grid only at its end, so that its completion still implies gemm1's; the persistent gemm2
-launches without PDL, see ``PERSISTENT_GEMM2_PDL``). No deadlock: gemm2's
+launches without PDL, see the NOTE in ``fused_experts_triton``). No deadlock: gemm2's
 programs launch only after every gemm1 program has started. Memory that a running kernel still reads is
 never handed to a later allocation of the call (gemm1's row copy lives until the call returns).
 
-NOTE: PDL (with gemm2's per-expert start) against no PDL, H100, CUDA-graph replay medians of interleaved
-rounds (benchmarks/results/ab_pdl_h100.txt, ``ab_fused_experts.py --no-pdl``), us: qwen3 M = 64 417.4 ->
-410.0, M = 1024 496.4 -> 488.2; mixtral M = 256 1035.3 -> 1029.5; gpt-oss M = 16 867.0 -> 854.4, M = 4096
-2587.1 -> 2551.5. Neutral at the power-capped qwen3 and mixtral M = 4096 cells (805.4 -> 810.9 and 4731.7 ->
-4675.4, inside their round-to-round spread). In a scratch A/B, gemm2 waiting for gemm1's whole grid instead
-of per expert kept about half of the gain (qwen3 M = 64 414.6, M = 1024 492.5 us). The direct schedule
-with PDL was mixed (same file): qwen3 M = 1 31.4 -> 30.3, but gpt-oss M = 1 71.2 -> 72.7 and mixtral M = 1
-231.9 -> 235.0, so its GEMVs launch without it.
+NOTE: PDL (with gemm2's per-expert start) against plain stream order, H100, CUDA-graph replay medians of
+interleaved rounds, us (benchmarks/results/ab_pdl_h100.txt: ``python benchmarks/ab_fused_experts.py --model MODEL
+--tokens M --no-pdl``): qwen3 M = 64 410.0 against 417.4, M = 1024 488.2 against 496.4; mixtral M = 256 1029.5
+against 1035.3; gpt-oss M = 16 854.4 against 867.0, M = 4096 2551.5 against 2587.1; inside the spread at the
+power-capped qwen3 and mixtral M = 4096 cells. The direct schedule's GEMVs launch without it: with it gpt-oss
+M = 1 took 72.7 us against 71.2 and mixtral M = 1 235.0 against 231.9 (same file).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -52,16 +48,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
-from moe_extension.kernels._configs import GemmConfig, MoeConfig, device_guard, get_config, is_row_major
-from moe_extension.kernels._routing import Routing, pdl_options, route
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major
+from moe_extension.kernels._launch import (device_guard, pdl_capable, pdl_options, sm_count, tma_capable,
+                                           tma_layout_ok)
+from moe_extension.kernels._routing import Routing, route
 
 
-# NOTE: the persistent gemm2 launches in plain stream order (after gemm1's completion; the slot sum after it
-# keeps PDL). H100, qwen3-30b-a3b M = 4096, 8 interleaved rounds of ``ab_fused_experts.py --persistent-pdl``
-# (benchmarks/results/ab_persistent_pdl_h100.txt): median 785.0 us with PDL -> 775.9 without (triton_kernels
-# 774.9). Scratch runs from a cool start (same file) agree: 786.5 -> 779.6 us over the first 15 replays. The
-# slot sum alone without PDL gained nothing; why a PDL launch of this kernel costs is not established.
-PERSISTENT_GEMM2_PDL = False
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -83,31 +75,12 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
     return t.stride(dim) if t is not None else 0
 
 
-@functools.lru_cache(maxsize=None)
-def tma_capable(device: torch.device) -> bool:
-    """Whether the device has TMA (sm_90+); memoized, it is asked on every sorted-path call."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-# Programmatic dependent launch needs sm_90+ as TMA does; a name of its own, so that the tests that force
-# TMA on in the interpreter (patching ``tma_capable``) leave PDL off there.
-pdl_capable = tma_capable
-
-
-def _tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
-    """Whether TMA can load [.., block_k] tiles of t: 16-bit elements, last dim contiguous, base and outer
-    strides 16-byte aligned, the reduction box within 256."""
-    esize = t.element_size()
-    return (esize == 2 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s * esize % 16 == 0 for s in t.stride()[:-1]) and block_k <= 256)
-
-
 def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig, halves: bool = False) -> TensorDescriptor | None:
     """TMA descriptor of w [E, out, in] with block [1, rows, block_k] when cfg asks for it and the device
     (sm_90+) and layout (``_tma_layout_ok``, rows within 256) allow it; None selects the pointer loads.
     ``halves``: w [E, 2N, in] viewed as [E, 2, N, in], block [1, 2, rows, block_k]: gate rows n.. stacked
     on up rows N + n.. in one load."""
-    if not (cfg.tma_weights and tma_capable(w.device) and _tma_layout_ok(w, cfg.block_k)) or rows > 256:
+    if not (cfg.tma_weights and tma_capable(w.device) and tma_layout_ok(w, cfg.block_k)) or rows > 256:
         return None
     if halves:
         E, two_n, K = w.shape
@@ -120,7 +93,7 @@ def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
     """TMA descriptors of the sorted intermediate a [rows, N] with blocks [block_m, block_k] and
     [tail_m, block_k] (None when tail_m = 0), or (None, None) for pointer loads: when cfg does not ask
     for it or the device (sm_90+) or layout (``_tma_layout_ok``) does not allow it."""
-    if not (cfg.tma_a and tma_capable(a.device) and _tma_layout_ok(a, cfg.block_k)):
+    if not (cfg.tma_a and tma_capable(a.device) and tma_layout_ok(a, cfg.block_k)):
         return None, None
 
     def desc(rows):
@@ -229,14 +202,8 @@ def _persistent_gemm2_ok(a: torch.Tensor, w2: torch.Tensor, cfg: GemmConfig) -> 
     256-element box, and rows within the ragged descriptors' 2^30."""
     K = w2.shape[1]
     return (cfg.persistent and cfg.split_k == 1 and cfg.block_n <= 256 and tma_capable(a.device)
-            and _tma_layout_ok(a, cfg.block_k) and _tma_layout_ok(w2, cfg.block_k)
+            and tma_layout_ok(a, cfg.block_k) and tma_layout_ok(w2, cfg.block_k)
             and K * a.element_size() % 16 == 0 and a.shape[0] < RAGGED_ROWS)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Programs of a persistent launch: the SMs of a GPU; 4 in the interpreter (several tiles each)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _gemm2_persistent(a, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False):
@@ -244,7 +211,7 @@ def _gemm2_persistent(a, w2, bias, y, routing: Routing, topk, weights, cfg: Gemm
     the module ``_gemm2_persistent``); rows of the padding and of unused blocks are neither read nor written."""
     E, K, N = w2.shape
     bm = routing.block_m
-    sms = _sm_count(a.device)
+    sms = sm_count(a.device)
     w_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, cfg.block_n, cfg.block_k])
     grid = (min(sms, routing.max_blocks * triton.cdiv(K, cfg.block_n)),)
     gemm2_persistent_kernel[grid](
@@ -363,7 +330,11 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         if persistent:
             # Sorted rows (padding rows never written), summed through routing.inverse.
             y = torch.empty((a.shape[0], K), dtype=dtype, device=dev)
-            _gemm2_persistent(a, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl and PERSISTENT_GEMM2_PDL)
+            # NOTE: in plain stream order (after gemm1's completion; the slot sum after it keeps PDL): H100,
+            # qwen3-30b-a3b M = 4096, 8 interleaved rounds, median 785.0 us with PDL -> 775.9 without
+            # (triton_kernels 774.9; benchmarks/results/ab_persistent_pdl_h100.txt, from
+            # ``python benchmarks/ab_fused_experts.py --model qwen3-30b-a3b --tokens 4096 --persistent-pdl``).
+            _gemm2_persistent(a, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl=False)
         else:
             splits = effective_splits(N, cfg.gemm2)
             # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3

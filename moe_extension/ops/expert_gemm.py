@@ -1,5 +1,5 @@
-"""The two routed expert GEMMs of the unfused path, plus the validation and grouped-by-expert machinery
-that ``fused_experts`` shares with them.
+"""The two routed expert GEMMs of the unfused path, plus the grouped-by-expert PyTorch machinery that
+``fused_experts`` shares with them (argument validation: ``arg_checks``).
 
 ``moe_ext::expert_gemm1(hidden_states [M, K], w1 [E, 2N, K], topk_ids [M, topk], *, w1_bias [E, 2N] fp32,
 expert_map [E_global] int32, topk_weights [M, topk] fp32, quant, w1_scale)`` -> ``h [M, topk, 2N]`` in
@@ -22,127 +22,11 @@ PyTorch implementation below (``expert_gemm1_torch`` / ``expert_gemm2_torch``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from moe_extension.quant.fp8_block import FP8_BLOCK, dequantize_fp8_block, fake_quantize_fp8_per_token_group
-from moe_extension.quant.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
-
-QUANT_FORMATS = ("none", "fp8_block", "mxfp4")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ID_DTYPES = (torch.int32, torch.int64)
-WEIGHT_DTYPES = {"fp8_block": (torch.float8_e4m3fn,), "mxfp4": (torch.uint8,)}
-SCALE_DTYPES = {"fp8_block": (torch.float32,), "mxfp4": (torch.uint8,)}
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation (shared by the fakes and the real implementations; torch._check so it runs at trace time)
-# ----------------------------------------------------------------------------------------------------
-
-
-def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
-    return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-
-
-def _ceil_div(a, b: int):
-    return (a + b - 1) // b
-
-
-class ArgChecker:
-    """Checks the arguments of one op call; every message starts with the op name and names the argument."""
-
-    def __init__(self, op: str, ref_name: str, ref: torch.Tensor):
-        self.op, self.ref_name, self.device = op, ref_name, ref.device
-
-    def name(self, arg: str, value: str, allowed: Sequence[str]) -> None:
-        torch._check_value(
-            value in allowed, lambda: f"{self.op}: {arg} must be one of {tuple(allowed)}, got {value!r}"
-        )
-
-    def _dtype_and_device(self, arg: str, t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
-        torch._check_type(
-            t.dtype in dtypes, lambda: f"{self.op}: {arg} must have dtype {_dtype_names(dtypes)}, got {t.dtype}"
-        )
-        torch._check(
-            t.device == self.device,
-            lambda: f"{self.op}: {arg} must be on the device of {self.ref_name} ({self.device}), got {t.device}",
-        )
-
-    def tensor(self, arg: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], layout: str, shape) -> None:
-        """dtype (TypeError), device and shape (RuntimeError); ``layout`` names the dims, e.g. '[E, 2N, K]'."""
-        self._dtype_and_device(arg, t, dtypes)
-
-        def message() -> str:
-            want = ", ".join(str(s) for s in shape)
-            return f"{self.op}: {arg} must have shape {layout} = [{want}], got {list(t.shape)}"
-
-        torch._check(t.dim() == len(shape), message)
-        for have, want in zip(t.shape, shape):
-            torch._check(have == want, message)
-
-    def rank(self, arg: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], layout: str) -> None:
-        """dtype, device and number of dims only (for the tensors the sizes are read from)."""
-        self._dtype_and_device(arg, t, dtypes)
-        ndim = layout.count(",") + 1
-        torch._check(t.dim() == ndim, lambda: f"{self.op}: {arg} must be {ndim}-D {layout}, got shape {list(t.shape)}")
-
-    def mxfp4_dim(self, what: str, size) -> None:
-        torch._check_value(
-            size % MXFP4_BLOCK == 0,
-            lambda: f"{self.op}: quant='mxfp4' needs {what} to be a multiple of {MXFP4_BLOCK}, got {size}",
-        )
-
-    def weight(self, arg: str, w: torch.Tensor, quant: str, act_dtype: torch.dtype, layout: str, shape) -> None:
-        """An expert weight stack of logical shape ``[E, rows, cols]`` (mxfp4: packed ``[E, rows, cols / 2]``)."""
-        dtypes = WEIGHT_DTYPES.get(quant, (act_dtype,))
-        if quant == "mxfp4":
-            e, rows, cols = shape
-            self.tensor(arg, w, dtypes, layout.replace("]", "/2]"), (e, rows, cols // 2))
-        else:
-            self.tensor(arg, w, dtypes, layout, shape)
-
-    def scale(self, arg: str, s: torch.Tensor | None, quant: str, shape, weight_arg: str) -> None:
-        """The scales of a weight stack of logical shape ``shape = (E, rows, cols)``, as ``quant`` lays them out."""
-        if quant == "none":
-            torch._check_value(
-                s is None,
-                lambda: f"{self.op}: {arg} is only used with quant='fp8_block' or 'mxfp4', got quant='none'",
-            )
-            return
-        torch._check_value(
-            s is not None, lambda: f"{self.op}: quant={quant!r} needs {arg} (the {weight_arg} scales)"
-        )
-        e, rows, cols = shape
-        if quant == "fp8_block":
-            want = (e, _ceil_div(rows, FP8_BLOCK), _ceil_div(cols, FP8_BLOCK))
-            layout = "[E, ceil(rows/128), ceil(cols/128)]"
-        else:
-            want, layout = (e, rows, cols // MXFP4_BLOCK), "[E, rows, cols/32]"
-        self.tensor(arg, s, SCALE_DTYPES[quant], layout, want)
-
-    def bias(self, arg: str, b: torch.Tensor | None, layout: str, shape) -> None:
-        if b is not None:
-            self.tensor(arg, b, (torch.float32,), layout, shape)
-
-    def routing(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, m, topk=None) -> None:
-        """topk_ids [M, topk] int32/int64 (topk >= 1; ``topk`` fixed by another argument when given),
-        topk_weights [M, topk] fp32 when given."""
-        self.rank("topk_ids", topk_ids, ID_DTYPES, "[M, topk]")
-        topk = topk_ids.shape[1] if topk is None else topk
-        self.tensor("topk_ids", topk_ids, ID_DTYPES, "[M, topk]", (m, topk))
-        torch._check(topk >= 1, lambda: f"{self.op}: topk_ids must have topk >= 1 columns, got 0")
-        if topk_weights is not None:
-            self.tensor("topk_weights", topk_weights, (torch.float32,), "[M, topk] like topk_ids", (m, topk))
-
-    def expert_map(self, expert_map: torch.Tensor | None) -> None:
-        if expert_map is None:
-            return
-        self.rank("expert_map", expert_map, (torch.int32,), "[E_global]")
-        torch._check(
-            expert_map.shape[0] >= 1, lambda: f"{self.op}: expert_map must have E_global >= 1 entries, got 0"
-        )
-
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, WEIGHT_DTYPES, ArgChecker
+from moe_extension.quant.fp8_block import dequantize_fp8_block, fake_quantize_fp8_per_token_group
+from moe_extension.quant.mxfp4 import dequantize_mxfp4
 
 def check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale):
     """Validates expert_gemm1's arguments; returns (M, topk, 2N)."""

@@ -19,15 +19,8 @@ from __future__ import annotations
 import torch
 
 from moe_extension.ops.activations import ACTIVATIONS, activation_torch
-from moe_extension.ops.expert_gemm import (
-    FLOAT_DTYPES,
-    QUANT_FORMATS,
-    WEIGHT_DTYPES,
-    ArgChecker,
-    ExpertWeights,
-    gemm_input,
-    group_by_expert,
-)
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, WEIGHT_DTYPES, ArgChecker
+from moe_extension.ops.expert_gemm import ExpertWeights, gemm_input, group_by_expert
 
 BACKENDS = ("auto", "torch", "triton", "triton_kernels")
 

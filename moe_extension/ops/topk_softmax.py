@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_extension.ops.expert_gemm import FLOAT_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, ArgChecker
 
 
 def check_topk_softmax(gating_output: torch.Tensor, topk: int, op: str = "topk_softmax"):

@@ -1,0 +1,62 @@
+"""Launch utilities of the Triton kernels: device facts (TMA, programmatic dependent launch, SM count), the
+current-device guard and the PDL launch options and device-side wait.
+
+Programmatic dependent launch (PDL, sm_90+): a kernel launched with ``launch_pdl`` may start while its
+predecessor in the stream drains; ``grid_dependency(PDL)`` at its start waits for the predecessor's
+completion (its writes visible) and then lets the next kernel launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+def device_guard(device: torch.device):
+    """Triton launches on the current device's current stream: make the tensors' device current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def tma_capable(device: torch.device) -> bool:
+    """Whether the device has TMA (sm_90+); memoized, it is asked on every sorted-path call."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# Programmatic dependent launch needs sm_90+ as TMA does; a name of its own, so that the tests that force
+# TMA on in the interpreter (patching ``fused_experts.tma_capable``) leave PDL off there.
+pdl_capable = tma_capable
+
+
+def tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
+    """Whether TMA can load [.., block_k] tiles of t: 16-bit elements, last dim contiguous, base and outer
+    strides 16-byte aligned, the reduction box within 256."""
+    esize = t.element_size()
+    return (esize == 2 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * esize % 16 == 0 for s in t.stride()[:-1]) and block_k <= 256)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Programs of a persistent launch: the SMs of a GPU; 4 in the interpreter (several tiles each)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@triton.jit
+def grid_dependency(PDL: tl.constexpr):
+    """Programmatic dependent launch: wait until the previous kernel in the stream completed and its writes
+    are visible, then let the next kernel's programs launch. A no-op when PDL is off."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_options(pdl: bool, **options) -> dict:
+    """Launch options of a kernel with a ``PDL`` constexpr: ``launch_pdl`` only when on (the interpreter and
+    pre-sm_90 launches never see it)."""
+    return dict(options, PDL=True, launch_pdl=True) if pdl else dict(options, PDL=False)
