@@ -14,9 +14,10 @@ Tail tiles (``tail_m``) and split reductions do not apply here.
 
 NOTE: H100, qwen3-30b-a3b M = 4096 (bf16, 128 x 256 x 64 tiles, 8 warps, 3 stages), the table entry with this
 kernel against the same entry with the non-persistent gemm2, 5 interleaved rounds of CUDA-graph replay: 801.0
-against 802.1 us for the whole op, level within the spread; the benchmark runs of the table with it won
-the cell against triton_kernels (benchmarks/results/ab_gemm2_persistent_h100.txt, from ``python benchmarks/ab_fused_experts.py --model
-qwen3-30b-a3b --tokens 4096 --variant '{"gemm2": {"persistent": false, "tail_m": 64, "num_stages": 4}}'``).
+against 802.1 us for the whole op, level within the spread (benchmarks/results/ab_gemm2_persistent_h100.txt,
+from ``python benchmarks/ab_fused_experts.py --model qwen3-30b-a3b --tokens 4096 --variant '{"gemm2":
+{"persistent": false, "tail_m": 64, "num_stages": 4}}'``); the benchmark runs with it won the cell against
+triton_kernels (benchmarks/results/fused_experts_h100.json).
 """
 
 from __future__ import annotations
