@@ -2,7 +2,10 @@
 
 One panel per model; x = tokens M (log scale), y = µs per call (log scale); ours, triton_kernels and the
 torch._grouped_mm pipeline as lines with markers, the hardware floor dashed. Null cells (a peer that is not
-installed, failed its check or raised) are left out of their line. Needs matplotlib; runs without a GPU.
+installed, failed its check or raised) are left out of their line. A ``--quant mxfp4`` result
+(``fused_experts_mxfp4_<gpu>.json``, ``"quant": "mxfp4"``) is charted the same way with its columns: ours and
+triton_kernels on MXFP4 weights, ours on the bf16 copies, and its floor (4.25-bit weights). Needs matplotlib;
+runs without a GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +20,21 @@ SERIES = (  # (row key, label, style)
     ("grouped_mm_us", "torch._grouped_mm pipeline", dict(marker="^", color="tab:green")),
     ("floor_us", "floor (bytes / copy BW, flops / GEMM peak)", dict(linestyle="--", color="black")),
 )
+MXFP4_SERIES = (
+    ("ours_us", "ours (moe_ext), MXFP4 weights", dict(marker="o", linewidth=2.0, color="tab:blue")),
+    ("triton_kernels_us", "triton_kernels matmul_ogs, MXFP4 weights (prepared)", dict(marker="s", color="tab:orange")),
+    ("ours_bf16_us", "ours on the weights in bf16 (reference)", dict(marker="v", color="tab:gray")),
+    ("floor_us", "floor (4.25-bit weights / copy BW, flops / bf16 GEMM peak)", dict(linestyle="--", color="black")),
+)
+
+
+def series_for(result: dict) -> tuple:
+    """The lines to draw for a result file (the bf16 run's, or the ``--quant mxfp4`` run's)."""
+    return MXFP4_SERIES if result.get("quant") == "mxfp4" else SERIES
+
+
+def weights_caption(result: dict) -> str:
+    return "MXFP4 weights, bf16 activations" if result.get("quant") == "mxfp4" else "bf16"
 
 
 def plot(result: dict, out: Path) -> Path:
@@ -29,7 +47,7 @@ def plot(result: dict, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         rows = sorted((r for r in result["rows"] if r["model"] == model), key=lambda r: r["M"])
-        for key, label, style in SERIES:
+        for key, label, style in series_for(result):
             points = [(r["M"], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), label=label, **style)
@@ -42,7 +60,8 @@ def plot(result: dict, out: Path) -> Path:
         ax.set_ylabel("µs per call")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"fused_experts, bf16, {result.get('activation', 'swigluoai')}, CUDA-graph medians — "
+    fig.suptitle(f"fused_experts, {weights_caption(result)}, {result.get('activation', 'swigluoai')}, "
+                 "CUDA-graph medians — "
                  f"{result.get('device', '')} (torch {result.get('torch', '?')}, triton {result.get('triton', '?')})",
                  fontsize=10)
     fig.tight_layout()
@@ -53,7 +72,8 @@ def plot(result: dict, out: Path) -> Path:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", type=Path, help="fused_experts_<gpu>.json written by bench_fused_experts.py")
+    p.add_argument("json", type=Path, help="fused_experts_<gpu>.json or fused_experts_mxfp4_<gpu>.json written by "
+                                           "bench_fused_experts.py")
     p.add_argument("-o", "--out", type=Path, help="PNG path (default: the JSON's path with .png)")
     args = p.parse_args(argv)
     result = json.loads(args.json.read_text())

@@ -1,4 +1,5 @@
-"""``fused_experts`` through OpenAI's ``triton_kernels.matmul_ogs`` (optional; CUDA, bf16/fp16, swigluoai).
+"""``fused_experts`` through OpenAI's ``triton_kernels.matmul_ogs`` (optional; CUDA, swigluoai; bf16/fp16 weights,
+or MXFP4 weights with bf16 activations).
 
 Computes exactly the ``moe_ext::fused_experts`` contract (DESIGN.md), for ``activation="swigluoai"``:
 
@@ -29,12 +30,29 @@ imports under triton 3.6 and 3.9):
   ``[E, K, 2N]`` storage, both read directly: no copy (``_weight_view``). Copies happen only where a NOTE
   says so (a weight or bias without a unit stride, hidden_states with a strided last dim, the ``g x`` rows);
   nothing is cached between calls.
+
+MXFP4 weights (``quant="mxfp4"``, gpt-oss; hidden_states bf16), prepared the way vLLM's gpt-oss path prepares
+them for matmul_ogs (``prepare_mxfp4``):
+
+- Our packed ``w [E, out, in/2]`` uint8 (two e2m1 codes per byte along ``in``, low nibble first) and its E8M0
+  scales ``[E, out, in/32]`` are transposed to matmul_ogs' ``[E, in, out]`` operand, so the packed (and the
+  32-element scale group) axis is dim 1 (``mx_axis=1``); the packed bytes are wrapped as a triton_kernels
+  ``Tensor`` of dtype ``FP4`` (logical shape ``[E, in, out]``) and converted to the device's default matmul
+  MXFP4 value layout, the scales to its default scale layout (Hopper: ``HopperMXValueLayout`` /
+  ``HopperMXScaleLayout(num_warps=8)``; Blackwell and pre-Hopper GPUs have their own defaults). Both go to
+  matmul_ogs as the weight and ``PrecisionConfig(weight_scale=..., flex_ctx=FlexCtx(rhs_data=InFlexData()))``.
+- ``fused_experts(..., quant="mxfp4")`` takes either ``PreparedMXFP4`` objects (``prepare_mxfp4``, once, at
+  weight-load time; scales None) or the raw uint8 weights + scales, which are then prepared on every call
+  (a full copy and re-layout of both weight stacks: correct but slow, not for timing).
+- Like vLLM, the two MXFP4 matmuls run under its opt_flags constraints (Hopper: ``split_k=1``; Blackwell:
+  persistent kernel, ``epilogue_subtile=1``), set for the duration of each call only (``_opt_flags_scope``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -43,7 +61,12 @@ import triton.language as tl
 
 SUPPORTED_ACTIVATIONS = ("swigluoai",)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_QUANTS = ("none", "mxfp4")
 MAX_TOPK = 64
+MXFP4_BLOCK = 32  # elements per E8M0 scale (moe_extension.quant.mxfp4.MXFP4_BLOCK)
+# NOTE: the num_warps vLLM's gpt-oss path builds the Hopper scale layout for; matmul_ogs then launches its MXFP4
+# kernels with exactly that many warps (opt_flags_nvidia.compute_num_warps reads it from the layout).
+MXFP4_SCALE_NUM_WARPS = 8
 
 _NAME = "fused_experts(backend='triton_kernels')"
 
@@ -98,6 +121,167 @@ def _require() -> SimpleNamespace:
             "wheel) on PYTHONPATH, or use backend='triton' / 'torch'."
         )
     return tk
+
+
+@functools.cache
+def _load_mxfp4() -> tuple[SimpleNamespace | None, str | None]:
+    """The parts of triton_kernels the MXFP4 weights need (kept apart: the bf16 path does not need them)."""
+    try:
+        from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
+        from triton_kernels.numerics import InFlexData
+        from triton_kernels.tensor import FP4, Tensor, convert_layout, wrap_torch_tensor
+        from triton_kernels.tensor_details import layout
+    except Exception as exc:  # noqa: BLE001  (as in _load: any import-time failure means "not usable here")
+        return None, (f"cannot import triton_kernels' MXFP4 weight API (tensor.FP4/wrap_torch_tensor/"
+                      f"convert_layout, tensor_details.layout, matmul_ogs.PrecisionConfig/FlexCtx, "
+                      f"numerics.InFlexData) ({type(exc).__name__}: {exc})")
+    for name in ("make_default_matmul_mxfp4_w_layout", "make_default_matmul_mxfp4_w_scale_layout"):
+        if not hasattr(layout, name):
+            return None, f"triton_kernels.tensor_details.layout has no {name}() (another triton_kernels generation)"
+    mx = SimpleNamespace(FlexCtx=FlexCtx, PrecisionConfig=PrecisionConfig, InFlexData=InFlexData, FP4=FP4,
+                         Tensor=Tensor, convert_layout=convert_layout, wrap_torch_tensor=wrap_torch_tensor,
+                         layout=layout)
+    return mx, None
+
+
+def _require_mxfp4() -> tuple[SimpleNamespace, SimpleNamespace]:
+    """``(tk, mx)``: both namespaces, or RuntimeError with the reason."""
+    tk = _require()
+    mx, reason = _load_mxfp4()
+    if reason is not None:
+        raise RuntimeError(f"{_NAME}: quant='mxfp4' is not available: {reason}")
+    return tk, mx
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedMXFP4:
+    """One MXFP4 expert weight stack prepared for matmul_ogs (``prepare_mxfp4``); pass it as ``w1`` / ``w2`` of
+    ``fused_experts(..., quant="mxfp4")`` with the matching scale argument None.
+
+    ``value``: triton_kernels ``Tensor`` of dtype ``FP4``, logical shape ``[E, in, out]`` (matmul_ogs' ``x @ w``
+    operand), in the device's default matmul MXFP4 value layout; ``scale``: triton_kernels ``Tensor`` of the E8M0
+    bytes, logical ``[E, in/32, out]``, in the default scale layout. ``shape`` is the logical (unpacked) weight
+    shape in the op's convention, ``[E, out, in]``. The prepared data is a copy (a swizzled layout), except on
+    GPUs whose default layout is the plain strided one, where it may share the caller's contiguous storage.
+    """
+
+    value: object
+    scale: object
+    num_experts: int
+    out_features: int
+    in_features: int
+    device: torch.device
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.num_experts, self.out_features, self.in_features)
+
+
+def _check_raw_mxfp4(op: str, arg: str, w, scale_arg: str, scale) -> tuple[int, int, int]:
+    """Checks a raw MXFP4 weight (packed uint8 ``[E, out, in/2]``) and its E8M0 scales ``[E, out, in/32]``;
+    returns the logical ``(E, out, in)``. Pure shape/dtype checks: they run (and fail) without a GPU."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{op}: {arg} must be a packed MXFP4 uint8 tensor [E, out, in/2] or a PreparedMXFP4 "
+                        f"(prepare_mxfp4), got {type(w).__name__}")
+    if w.dtype != torch.uint8 or w.dim() != 3:
+        raise TypeError(f"{op}: {arg} must be packed MXFP4, uint8 [E, out, in/2] (two e2m1 codes per byte), or a "
+                        f"PreparedMXFP4, got {w.dtype} of shape {list(w.shape)}")
+    e, out, half = w.shape
+    if (2 * half) % MXFP4_BLOCK != 0:
+        raise ValueError(f"{op}: {arg} [E, out, in/2] = {list(w.shape)} has in = {2 * half}, which is not a "
+                         f"multiple of {MXFP4_BLOCK}")
+    if scale is None:
+        raise ValueError(f"{op}: raw uint8 {arg} needs {scale_arg} (its uint8 E8M0 scales [E, out, in/32]); "
+                         f"only a PreparedMXFP4 {arg} carries its own scales")
+    want = [e, out, 2 * half // MXFP4_BLOCK]
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8 or list(scale.shape) != want:
+        got = f"{scale.dtype} of shape {list(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"{op}: {scale_arg} must be uint8 E8M0 [E, out, in/32] = {want} for {arg} of shape "
+                         f"{list(w.shape)}, got {got}")
+    if scale.device != w.device:
+        raise ValueError(f"{op}: {scale_arg} must be on the device of {arg} ({w.device}), got {scale.device}")
+    return e, out, 2 * half
+
+
+def _default_mxfp4_layouts(mx):
+    """``(value_layout, value_opts, scale_layout, scale_opts)``: this GPU's default matmul MXFP4 layouts, with
+    the packed axis (and the scale groups) along dim 1 of the ``[E, in, out]`` operand, as vLLM builds them."""
+    value_layout, value_opts = mx.layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+    scale_layout, scale_opts = mx.layout.make_default_matmul_mxfp4_w_scale_layout(
+        mx_axis=1, num_warps=MXFP4_SCALE_NUM_WARPS
+    )
+    return value_layout, value_opts, scale_layout, scale_opts
+
+
+def _prepare_with_layouts(mx, op: str, arg: str, w: torch.Tensor, w_scale: torch.Tensor,
+                          value_layout, value_opts: dict, scale_layout, scale_opts: dict) -> PreparedMXFP4:
+    """Wrap and re-lay-out a checked raw MXFP4 weight (any device: the layouts are plain torch code)."""
+    e, out, half = w.shape
+    inn = 2 * half
+    if getattr(scale_layout, "name", None) == "HOPPER_SCALE" and out <= 128:
+        # NOTE: matmul_ogs' Hopper MXFP4 kernel static-asserts BLOCK_N % (2 * num_warps * 2 * 8) == 0, i.e.
+        # BLOCK_N = 256 with 8 warps, and its opt_flags pick BLOCK_N = 256 only for N > 128.
+        raise NotImplementedError(
+            f"{op}: {arg} has {out} output features; matmul_ogs' Hopper MXFP4 layout (num_warps="
+            f"{MXFP4_SCALE_NUM_WARPS}) needs more than 128 (its kernel tiles N by 256)"
+        )
+    # NOTE: matmul_ogs multiplies x [rows, in] @ W [E, in, out]. Our [E, out, in/2] stack transposed is that
+    # operand with the packed bytes along dim 1, hence mx_axis=1. wrap_torch_tensor takes the first unit-stride
+    # dim as the packed one (and doubles it: logical [E, in, out]), so the bytes must be contiguous along `in`:
+    # any other storage (e.g. a transposed view of [E, in/2, out]) is copied first; the scales likewise.
+    packed = w.contiguous().transpose(1, 2)
+    scales = w_scale.contiguous().transpose(1, 2)
+    value = mx.convert_layout(mx.wrap_torch_tensor(packed, dtype=mx.FP4), value_layout, **value_opts)
+    scale = mx.convert_layout(mx.wrap_torch_tensor(scales), scale_layout, **scale_opts)
+    if list(value.shape) != [e, inn, out] or value.dtype != mx.FP4:
+        raise RuntimeError(f"{op}: preparing {arg}: expected an FP4 triton_kernels Tensor of logical shape "
+                           f"{[e, inn, out]}, got {value.dtype} {list(value.shape)} (triton_kernels API changed?)")
+    if list(scale.shape) != [e, inn // MXFP4_BLOCK, out]:
+        raise RuntimeError(f"{op}: preparing {arg}: expected scales of logical shape {[e, inn // MXFP4_BLOCK, out]}, "
+                           f"got {list(scale.shape)} (triton_kernels API changed?)")
+    return PreparedMXFP4(value=value, scale=scale, num_experts=e, out_features=out, in_features=inn, device=w.device)
+
+
+def prepare_mxfp4(w: torch.Tensor, w_scale: torch.Tensor) -> PreparedMXFP4:
+    """Prepare one MXFP4 expert weight stack for ``fused_experts(..., quant="mxfp4")``, once (weight-load time).
+
+    ``w``: packed uint8 ``[E, out, in/2]`` (the op's layout, any strides), ``w_scale``: uint8 E8M0
+    ``[E, out, in/32]``; e.g. ``prepare_mxfp4(w1, w1_scale)`` and ``prepare_mxfp4(w2, w2_scale)``. Returns a
+    ``PreparedMXFP4`` holding both in the layouts matmul_ogs reads on this GPU (module docstring). Argument
+    errors raise TypeError/ValueError (also without a GPU), shapes the GPU's layout cannot run raise
+    NotImplementedError, a missing triton_kernels or GPU RuntimeError.
+    """
+    op = "prepare_mxfp4"
+    _check_raw_mxfp4(op, "w", w, "w_scale", w_scale)
+    _, mx = _require_mxfp4()
+    if not w.is_cuda:
+        raise RuntimeError(f"{op} needs CUDA tensors (the layouts are the GPU's), got w on {w.device}")
+    return _prepare_with_layouts(mx, op, "w", w, w_scale, *_default_mxfp4_layouts(mx))
+
+
+def _mxfp4_operand(arg: str, w, scale_arg: str, scale, device: torch.device) -> tuple[int, int, int]:
+    """The logical ``(E, out, in)`` of a fused_experts MXFP4 weight argument, raw or prepared (checked)."""
+    if isinstance(w, PreparedMXFP4):
+        if scale is not None:
+            raise ValueError(f"{_NAME}: {arg} is a PreparedMXFP4, which carries its own scales; {scale_arg} must "
+                             f"be None, got a {type(scale).__name__}")
+        if w.device != device:
+            raise ValueError(f"{_NAME}: {arg} (PreparedMXFP4) is on {w.device}, hidden_states on {device}")
+        return w.shape
+    dims = _check_raw_mxfp4(_NAME, arg, w, scale_arg, scale)
+    if w.device != device:
+        raise ValueError(f"{_NAME}: {arg} is on {w.device}, hidden_states on {device}")
+    return dims
+
+
+def _mxfp4_constraints(device: torch.device) -> dict:
+    """vLLM's opt_flags constraints for matmul_ogs with MXFP4 weights on this GPU (set in its ``_swizzle_mxfp4``)."""
+    major = torch.cuda.get_device_capability(device)[0]
+    if major == 9:
+        return {"split_k": 1}
+    if major >= 10:
+        return {"is_persistent": True, "epilogue_subtile": 1}
+    return {}
 
 
 @triton.jit
@@ -227,13 +411,13 @@ def _intermediate(rows: int, n: int, like: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _no_persistent_kernel(tk, when: bool):
-    """Run matmul_ogs with ``is_persistent=False`` when ``when`` (its constraints are module-global)."""
-    if not when:
+def _opt_flags_scope(tk, constraints: dict):
+    """Run matmul_ogs under extra opt_flags ``constraints`` (module-global in triton_kernels), restored after."""
+    if not constraints:
         yield
         return
     saved = dict(tk.opt_flags._opt_flags_constraints)
-    tk.opt_flags.update_opt_flags_constraints({"is_persistent": False})
+    tk.opt_flags.update_opt_flags_constraints(constraints)
     try:
         yield
     finally:
@@ -243,8 +427,8 @@ def _no_persistent_kernel(tk, when: bool):
 
 def fused_experts(
     hidden_states: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
+    w1: torch.Tensor | PreparedMXFP4,
+    w2: torch.Tensor | PreparedMXFP4,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "swigluoai",
@@ -253,33 +437,87 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
+    quant: str = "none",
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     alpha: float = 1.702,
     limit: float = 7.0,
 ) -> torch.Tensor:
     """The ``moe_ext::fused_experts`` computation through ``matmul_ogs`` (arguments validated by the op).
 
-    Raises NotImplementedError for what matmul_ogs does not fuse (activations other than swigluoai, dtypes
-    other than bf16/fp16, topk > 64) and RuntimeError when triton_kernels is not usable here.
+    ``quant="none"``: ``w1``/``w2`` in hidden_states' dtype (bf16/fp16), scales None. ``quant="mxfp4"``
+    (hidden_states bf16): each of ``w1``/``w2`` is either a ``PreparedMXFP4`` (``prepare_mxfp4``; its scale
+    argument None) or the raw packed uint8 weight with its uint8 E8M0 scales (``w1 [E, 2N, K/2]`` +
+    ``w1_scale [E, 2N, K/32]``, ``w2 [E, K, N/2]`` + ``w2_scale [E, K, N/32]``), which is then prepared on
+    every call: a full copy and re-layout of the weights, slow, not for timing.
+
+    Raises NotImplementedError for what this path does not support (activations other than swigluoai, dtypes
+    other than bf16/fp16, quant other than none/mxfp4, mxfp4 with non-bf16 hidden_states, topk > 64),
+    TypeError/ValueError for inconsistent weight/scale arguments (checked before anything needs a GPU) and
+    RuntimeError when triton_kernels is not usable here.
     """
     if activation not in SUPPORTED_ACTIVATIONS:
         raise NotImplementedError(
             f"{_NAME}: activation={activation!r} is not supported; matmul_ogs fuses only "
             f"{', '.join(repr(a) for a in SUPPORTED_ACTIVATIONS)} (use backend='triton' or 'torch')"
         )
-    if hidden_states.dtype not in SUPPORTED_DTYPES:
+    if quant not in SUPPORTED_QUANTS:
         raise NotImplementedError(
-            f"{_NAME}: hidden_states dtype {hidden_states.dtype} is not supported; expected torch.bfloat16 "
-            "or torch.float16 (use backend='triton' or 'torch')"
+            f"{_NAME}: quant={quant!r} is not supported; expected one of "
+            f"{', '.join(repr(q) for q in SUPPORTED_QUANTS)} (use backend='torch')"
         )
+    M, K = hidden_states.shape
+    if quant == "mxfp4":
+        if hidden_states.dtype != torch.bfloat16:
+            raise NotImplementedError(
+                f"{_NAME}: hidden_states dtype {hidden_states.dtype} is not supported with quant='mxfp4'; "
+                "expected torch.bfloat16 (matmul_ogs multiplies MXFP4 weights with bf16 activations)"
+            )
+        e1, rows1, k1 = _mxfp4_operand("w1", w1, "w1_scale", w1_scale, hidden_states.device)
+        e2, k2, N = _mxfp4_operand("w2", w2, "w2_scale", w2_scale, hidden_states.device)
+        if (e1, rows1, k1, k2) != (e2, 2 * N, K, K):
+            raise ValueError(
+                f"{_NAME}: MXFP4 weights of logical shapes w1 [E, 2N, K] = {[e1, rows1, k1]} and w2 [E, K, N] = "
+                f"{[e2, k2, N]} do not match each other or hidden_states [M, K] = {[M, K]}"
+            )
+    else:
+        for arg, w in (("w1", w1), ("w2", w2)):
+            if isinstance(w, PreparedMXFP4):
+                raise ValueError(f"{_NAME}: {arg} is a PreparedMXFP4 (prepare_mxfp4); pass quant='mxfp4'")
+        for arg, scale in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+            if scale is not None:
+                raise ValueError(f"{_NAME}: {arg} is only used with quant='mxfp4', got quant={quant!r}")
+        if hidden_states.dtype not in SUPPORTED_DTYPES:
+            raise NotImplementedError(
+                f"{_NAME}: hidden_states dtype {hidden_states.dtype} is not supported; expected torch.bfloat16 "
+                "or torch.float16 (use backend='triton' or 'torch')"
+            )
+        N = w2.shape[-1]
     if topk_ids.shape[-1] > MAX_TOPK:
         raise NotImplementedError(f"{_NAME}: topk={topk_ids.shape[-1]} is not supported; expected at most {MAX_TOPK}")
-    tk = _require()
+    if quant == "mxfp4":
+        tk, mx = _require_mxfp4()
+    else:
+        tk = _require()
     if not hidden_states.is_cuda:
         raise RuntimeError(f"{_NAME} needs CUDA tensors, got hidden_states on {hidden_states.device}")
-    M, K = hidden_states.shape
     E = w1.shape[0]
     if M == 0:
         return hidden_states.new_empty((0, K))
+    if quant == "mxfp4":
+        # NOTE: raw uint8 weights are prepared here, on every call (a copy and re-layout of both stacks);
+        # PreparedMXFP4 ones (prepare_mxfp4, once) go to matmul_ogs as they are.
+        layouts = _default_mxfp4_layouts(mx)
+        w1p = w1 if isinstance(w1, PreparedMXFP4) else _prepare_with_layouts(mx, _NAME, "w1", w1, w1_scale, *layouts)
+        w2p = w2 if isinstance(w2, PreparedMXFP4) else _prepare_with_layouts(mx, _NAME, "w2", w2, w2_scale, *layouts)
+        w1_op, w2_op = w1p.value, w2p.value
+        precision1 = mx.PrecisionConfig(weight_scale=w1p.scale, flex_ctx=mx.FlexCtx(rhs_data=mx.InFlexData()))
+        precision2 = mx.PrecisionConfig(weight_scale=w2p.scale, flex_ctx=mx.FlexCtx(rhs_data=mx.InFlexData()))
+        constraints = _mxfp4_constraints(hidden_states.device)
+    else:
+        w1_op, w2_op = _weight_view(w1), _weight_view(w2)
+        precision1 = precision2 = None
+        constraints = {}
     act = tk.FusedActivation(tk.FnSpecs("swiglu", tk.swiglu_fn, ("alpha", "limit")), (float(alpha), float(limit)), 2)
     topk = topk_ids.shape[1]
     if apply_router_weight_on_input:
@@ -300,20 +538,23 @@ def fused_experts(
         # tiles are laid out for, so the (rare) hidden_states with a strided last dim is copied.
         x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
         gammas = routing_data.gate_scal
-    N = w2.shape[-1]
-    intermediate = tk.matmul_ogs(
-        x, _weight_view(w1), _bias(w1_bias), routing_data, gather_indx=gather_indx, fused_activation=act,
-        y=_intermediate(gather_indx.src_indx.shape[0], N, hidden_states),
-    )
+    with _opt_flags_scope(tk, constraints):
+        intermediate = tk.matmul_ogs(
+            x, w1_op, _bias(w1_bias), routing_data, gather_indx=gather_indx, precision_config=precision1,
+            fused_activation=act, y=_intermediate(gather_indx.src_indx.shape[0], N, hidden_states),
+        )
     # NOTE: the second GEMM (topk > 1) writes per-slot rows into a [M * P, K] scratch of its own, through a
     # TMA descriptor when it picks its persistent kernel; with K * itemsize not a multiple of 16 that
     # descriptor is illegal, so such K (none of the real models) runs its non-persistent kernel instead.
     # NOTE: with topk > 1 matmul_ogs writes each slot's (W2 a + b2) g rounded to the output dtype, then sums
     # the slots in fp32 (its grouped reduction): one extra rounding per slot compared with our kernels,
     # far inside the bf16 tolerance; forcing fp32 slots would turn off its persistent TMA kernel.
-    with _no_persistent_kernel(tk, not _tma_aligned(K, hidden_states.dtype)):
+    if not _tma_aligned(K, hidden_states.dtype):
+        constraints = {**constraints, "is_persistent": False}
+    with _opt_flags_scope(tk, constraints):
         out = tk.matmul_ogs(
-            intermediate, _weight_view(w2), _bias(w2_bias), routing_data, scatter_indx=scatter_indx, gammas=gammas
+            intermediate, w2_op, _bias(w2_bias), routing_data, scatter_indx=scatter_indx,
+            precision_config=precision2, gammas=gammas,
         )
     if apply_router_weight_on_input and topk > 1:
         return out.view(M, topk, K).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
