@@ -98,9 +98,12 @@ def is_row_major(w: torch.Tensor) -> bool:
     return w.stride(2) == 1
 
 
-def table_key(E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool) -> str:
+def table_key(E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
+              quant: str = "none") -> str:
+    """The table's key of a shape; quantized weight formats append ``,quant=<format>``."""
     dt = str(dtype).removeprefix("torch.")
-    return f"E={E},N={N},K={K},topk={topk},dtype={dt},w1={'row' if w1_row else 'col'},w2={'row' if w2_row else 'col'}"
+    key = f"E={E},N={N},K={K},topk={topk},dtype={dt},w1={'row' if w1_row else 'col'},w2={'row' if w2_row else 'col'}"
+    return key if quant == "none" else f"{key},quant={quant}"
 
 
 def device_slug(name: str) -> str:
@@ -137,20 +140,20 @@ def _nearest_bucket(buckets, M: int) -> int:
 
 @functools.lru_cache(maxsize=8192)
 def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
-               device: torch.device) -> MoeConfig:
+               device: torch.device, quant: str = "none") -> MoeConfig:
     """Tuned entry for this device if the table has the key, else the heuristic; always sanitized.
 
     NOTE: memoized: eager forwards pay a dict lookup, not the table search and sanitizing (~tens of us).
     """
     name, sms = _device_facts(device)
-    per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row), {})
+    per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row, quant), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
     usable = [b for b, c in per_m.items() if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
     if usable:
         cfg = per_m[_nearest_bucket(usable, M)]
     else:
-        cfg = heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms)
-    return sanitize(cfg, dtype, N, K, topk)
+        cfg = heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant)
+    return sanitize(cfg, dtype, N, K, topk, quant)
 
 
 def expected_hit_experts(P: int, E: int) -> float:
@@ -170,7 +173,7 @@ def _pow2_floor(x: int) -> int:
 
 
 def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
-                     num_sms: int = 132) -> MoeConfig:
+                     num_sms: int = 132, quant: str = "none") -> MoeConfig:
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
     if use_direct(M, E, topk):
@@ -202,6 +205,11 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     while tiles * split < 2 * num_sms and split < 8 and N >= 2 * split * g2.block_k:
         split *= 2
     g2 = dataclasses.replace(g2, split_k=split)
+    if quant == "mxfp4":
+        # NOTE: 128 columns per step: 64 bytes of packed codes per weight row (two 32-byte sectors) and a
+        # decode of 128 values per row between two dots; pointer loads (TMA takes 16-bit weights here).
+        g1 = dataclasses.replace(g1, block_k=128, num_stages=3, tma_weights=False)
+        g2 = dataclasses.replace(g2, block_k=128, num_stages=3, tma_weights=False)
     return MoeConfig("sorted", block_m, g1, g2)
 
 
@@ -246,12 +254,20 @@ def triton_next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1) -> MoeConfig:
+def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, quant: str = "none") -> MoeConfig:
     """Clamp a config to what the kernels accept: power-of-two tiles (>= 16 for tensor-core dots), a
     tail_m of 0 or 16 .. block_m / 2 (sorted only), a split_k that leaves every split work, and pipelined
-    tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots)."""
+    tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots).
+    MXFP4 weights: block_k of at least one scale group (32) and tiles of at least 4 packed bytes per thread
+    (``mxfp4_tiles``), pointer loads of the weights and no persistent gemm2 (both need 16-bit weights)."""
     esize = torch.empty((), dtype=dtype).element_size()
     g1, g2 = cfg.gemm1, cfg.gemm2
+    if quant == "mxfp4":
+        # The pipelined budget counts weight tiles as if 16-bit: an upper bound of the packed tiles plus the
+        # decoded tile the dot reads.
+        esize = max(esize, 2)
+        g1 = dataclasses.replace(g1, tma_weights=False, persistent=False)
+        g2 = dataclasses.replace(g2, tma_weights=False, persistent=False)
     if cfg.path == "sorted":
         bm = min(128, max(16, triton_next_pow2(cfg.block_m)))
         g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm)), bm, 2, 16, esize)
@@ -260,11 +276,32 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1) 
         else:
             g2 = _fit(dataclasses.replace(g2, tail_m=_tail(g2.tail_m, bm)), bm, 1, 16, esize)
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
+        if quant == "mxfp4":
+            g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, 1, N)
         return MoeConfig("sorted", bm, g1, g2)
     g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False, persistent=False), 0, 2, 1, esize)
     g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False, persistent=False), 0,
               triton_next_pow2(topk), 1, esize)
+    if quant == "mxfp4":
+        g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, triton_next_pow2(topk), N)
     return MoeConfig("direct", 0, g1, g2)
+
+
+def mxfp4_tiles(g: GemmConfig, row_mult: int, reduction: int) -> GemmConfig:
+    """An MXFP4 weight tile (at least row_mult * block_n rows of block_k values, block_k / 2 bytes each) of at
+    least one scale group per row and at least 4 bytes per thread: the decode takes the bytes four to a
+    register. ``reduction`` (K or N) bounds how far block_k grows for that."""
+    bk = max(32, g.block_k)
+    warps = g.num_warps
+
+    def bytes_per_thread():
+        return row_mult * g.block_n * bk // 2 // (32 * warps)
+
+    while bytes_per_thread() < 4 and bk < max(32, triton_next_pow2(reduction)):
+        bk *= 2
+    while bytes_per_thread() < 4 and warps > 1:
+        warps //= 2
+    return dataclasses.replace(g, block_k=bk, num_warps=warps)
 
 
 def _tail(tail_m: int, block_m: int) -> int:

@@ -43,6 +43,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._routing import local_expert
+from moe_extension.kernels._weight_formats import dot_step, fma_step, weight_advance, weight_ptrs
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -122,13 +123,14 @@ def _valid_rows(sorted_ptr, row0, P, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, n0,
+def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, n0,
                  P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
-                 stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                 stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                 stride_be, stride_bn,
                  stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
                  ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 W_DESC: tl.constexpr, A_DESC: tl.constexpr):
+                 W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
@@ -138,7 +140,6 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     token = tl.where(row_ok, pair // topk, 0)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk
     # One weight tile of W_ROWS rows per step, one dot: without an activation the BLOCK_N output rows;
     # swigluoai the 2 * BLOCK_N interleaved rows from 2 n0; the halves activations BLOCK_N gate rows from n0
     # stacked on the BLOCK_N up rows from N + n0. Pointer loads wrap rows modulo their range (in bounds, no
@@ -155,7 +156,9 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
     else:
         c = tl.arange(0, 2 * BLOCK_N)
         wr = (c // BLOCK_N) * N_HALF + (n0 + c % BLOCK_N) % N_HALF
-    w_ptrs = w_base + wr.to(tl.int64)[None, :] * stride_wn
+    e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn, e64 * stride_se + wr64 * stride_sn,
+                                 0, stride_wk, stride_sk, BLOCK_K, WFMT, True)
     acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
@@ -173,14 +176,11 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
                 w = w_desc.load([expert, 2 * n0, kk * BLOCK_K])
             else:
                 w = w_desc.load([expert, 0, n0, kk * BLOCK_K])
-            w = w.reshape(W_ROWS, BLOCK_K).T
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
+            acc = tl.dot(a, w.reshape(W_ROWS, BLOCK_K).T, acc, input_precision=DOT_PREC)
         else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            acc = dot_step(acc, a, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC)
         a_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
 
     # apply_router_weight_on_input: W (g x) + b = g (W x) + b; g = 1 when off.
     g = tl.load(gw_ptr + token.to(tl.int64) * stride_gm + (pair - token * topk) * stride_gk,
@@ -218,14 +218,14 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
-    x_ptr, a_desc, a_tail_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    x_ptr, a_desc, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
     counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr,
-    SIGNAL: tl.constexpr,
+    SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -255,11 +255,11 @@ def gemm1_sorted_kernel(
         return
     row0 = pid_m * BLOCK_M
     if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
-        _gemm1_block(x_ptr, a_tail_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
+        _gemm1_block(x_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
-                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-                     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                     stride_be, stride_bn, stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
         if OUT_SORTED and ZERO_PAD:  # the block's rows past the tail tile: 0
             r = tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -267,11 +267,11 @@ def gemm1_sorted_kernel(
                      tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
                      mask=(r >= TAIL_M)[:, None] & (offs_n < N_OUT)[None, :])
     else:
-        _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
+        _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
-                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-                     stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                     stride_be, stride_bn, stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
     if SIGNAL:
         # Every thread's stores come before one gpu-scope release increment of the expert's counter.
         tl.debug_barrier()
@@ -279,13 +279,14 @@ def gemm1_sorted_kernel(
 
 
 @triton.jit
-def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, n0, split,
+def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, n0, split,
                  P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
-                 stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+                 stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                 stride_be, stride_bn,
                  stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
                  A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
-                 A_DESC: tl.constexpr):
+                 A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr):
     """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0.."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
@@ -303,8 +304,9 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_p
         a_rows = t.to(tl.int64) * stride_am + j * stride_aj
     a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak
     wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + wr.to(tl.int64)[None, :] * stride_wn
-              + offs_k[:, None] * stride_wk)
+    e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn, e64 * stride_se + wr64 * stride_sn,
+                                 k_start, stride_wk, stride_sk, BLOCK_K, WFMT, True)
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(k_start + k_per_split, K)
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
@@ -320,13 +322,12 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_p
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
             w = w_desc.load([expert, n0, k_start + kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            acc = dot_step(acc, a, w_ptrs, s_ptrs, k_end - k_start - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX,
+                           DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+        w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
 
     b_lim = tl.where((has_bias != 0) & (split == 0), N_OUT, 0)
     acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
@@ -343,13 +344,15 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_p
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", "tiles_n1",
                                *_RUNTIME_STRIDES])
 def gemm2_sorted_kernel(
-    a_ptr, a_desc, a_tail_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr, counts_ptr,
-    starts_ptr, done_ptr, tiles_n1, P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
-    stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    a_ptr, a_desc, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    counts_ptr, starts_ptr, done_ptr, tiles_n1, P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
+    stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
+    WFMT: tl.constexpr, PTX: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
@@ -388,17 +391,17 @@ def gemm2_sorted_kernel(
             tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
                                       pack=1)
     if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
-        _gemm2_block(a_ptr, a_tail_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
+        _gemm2_block(a_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
-                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-                     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                     A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                     stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
+                     A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
     else:
-        _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
+        _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
-                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-                     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                     A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC)
+                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                     stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
+                     A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
     if WAIT:
         if PDL:
             # gemm1 has completed (all its tiles counted): this grid's completion implies gemm1's.
@@ -460,12 +463,12 @@ def sum_slots_kernel(
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
                                *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
 def gemv1_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
     P, topk, N_OUT, N_HALF, K, has_map, has_bias, router_on_input,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
 ):
     """Per pair p = program_id(1): out[p, n0:n0+BLOCK_N] as in gemm1 (rows of invalid pairs untouched).
 
@@ -482,38 +485,34 @@ def gemv1_kernel(
     t = p // topk
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + t.to(tl.int64) * stride_xm + offs_k * stride_xk
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_k[None, :] * stride_wk
     n0 = pid_n * BLOCK_N
+    ACC_K: tl.constexpr = BLOCK_K // 2 if WFMT == 1 else BLOCK_K
     if ACT == 0:
         wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     elif ACT == 4:
         wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
-        acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([2 * BLOCK_N, ACC_K], dtype=tl.float32)
     else:
         wr = (n0 + tl.arange(0, BLOCK_N)) % N_HALF
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_ptrs = w_base + wr.to(tl.int64)[:, None] * stride_wn
-    u_ptrs = w_ptrs + N_HALF * stride_wn
+        acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
+    w_rows, s_rows = e64 * stride_we + wr64 * stride_wn, e64 * stride_se + wr64 * stride_sn
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows, s_rows, 0, stride_wk, stride_sk, BLOCK_K, WFMT, False)
+    u_ptrs, us_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows + N_HALF * stride_wn, s_rows + N_HALF * stride_sn, 0,
+                                  stride_wk, stride_sk, BLOCK_K, WFMT, False)
     for kk in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
         if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
         else:
-            k_ok = offs_k < K - kk * BLOCK_K
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+            x = tl.load(x_ptrs, mask=offs_k < K - kk * BLOCK_K, other=0.0)
+        acc = fma_step(acc, x, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX)
         if ACT != 0 and ACT != 4:
-            if EVEN_K:
-                wu = tl.load(u_ptrs)
-            else:
-                wu = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
-            acc_u += wu.to(tl.float32) * x[None, :]
-            u_ptrs += BLOCK_K * stride_wk
+            acc_u = fma_step(acc_u, x, u_ptrs, us_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX)
+            u_ptrs, us_ptrs = weight_advance(u_ptrs, us_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
         x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
 
     g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk, mask=router_on_input != 0,
                 other=1.0).to(tl.float32)
@@ -538,12 +537,12 @@ def gemv1_kernel(
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "nslot", "has_map", "has_bias", "apply_weight",
                                *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
 def gemv2_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    a_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
     P, topk, nslot, N_OUT, K, has_map, has_bias, apply_weight,
-    stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
+    stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
 ):
     """SUM_SLOTS: program (n tile, token t) computes out[t, n] = sum_j valid (W2[e_j] a[t, j] + b2[e_j]) g_j
     (the topk sum fused; a fixed reduction order: deterministic; invalid slots add nothing). Otherwise
@@ -578,19 +577,22 @@ def gemv2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wr = offs_n % N_OUT
     e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
-    w_ptrs = (w_ptr + e64[:, None, None] * stride_we + wr.to(tl.int64)[None, :, None] * stride_wn
-              + offs_k[None, None, :] * stride_wk)
+    wr64 = wr.to(tl.int64)
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64[:, None] * stride_we + wr64[None, :] * stride_wn,
+                                 e64[:, None] * stride_se + wr64[None, :] * stride_sn, 0, stride_wk, stride_sk,
+                                 BLOCK_K, WFMT, False)
     a_ptrs = a_ptr + t.to(tl.int64) * stride_at + (slot0 + jj)[:, None] * stride_aj + offs_k[None, :] * stride_ak
     k_lim = tl.where(ok_vec, K, 0)  # per slot: an invalid slot loads nothing
-    acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    ACC_K: tl.constexpr = BLOCK_K // 2 if WFMT == 1 else BLOCK_K
+    acc = tl.zeros([SLOTS, BLOCK_N, ACC_K], dtype=tl.float32)
     for kk in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
-        k_ok = offs_k[None, :] < k_lim[:, None] - kk * BLOCK_K
-        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32) * g_vec[:, None]
-        w = tl.load(w_ptrs, mask=k_ok[:, None, :], other=0.0)
-        acc += w.to(tl.float32) * a[:, None, :]
+        k_left = k_lim - kk * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left[:, None], other=0.0)
+        acc = fma_step(acc, a, w_ptrs, s_ptrs, k_left[:, None, None], False, BLOCK_K, WFMT, PTX)
         a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
-    out = tl.sum(tl.sum(acc, axis=2), axis=0)
+        w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
+    # Router weights (0 for invalid slots) applied once per slot, after its reduction over k.
+    out = tl.sum(tl.sum(acc, axis=2) * g_vec[:, None], axis=0)
     # Biases of all slots in one [SLOTS, BLOCK_N] load, weighted and summed over the slots.
     b_ptrs = bias_ptr + e64[:, None] * stride_be + wr[None, :] * stride_bn
     b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))

@@ -52,23 +52,32 @@ from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is
 from moe_extension.kernels._launch import (device_guard, pdl_capable, pdl_options, sm_count, tma_capable,
                                            tma_layout_ok)
 from moe_extension.kernels._routing import Routing, route
+from moe_extension.kernels._weight_formats import WeightOperand
 
 
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def _dot_precision(dtype: torch.dtype, w: WeightOperand | None = None) -> str:
     # NOTE: fp32 inputs use exact fp32 products (tf32 would cost ~1e-3 relative error); bf16/fp16 ignore it.
+    # MXFP4 multiplies bf16 values: on the GPU as bf16, in the interpreter held in fp32 (exact products).
+    if w is not None and not w.dense:
+        return "tf32" if _ptx(w.w.device) else "ieee"
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def select_config(M: int, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk: int,
-                  config: MoeConfig | None) -> MoeConfig:
+def _ptx(device: torch.device) -> bool:
+    """Whether the kernels decode MXFP4 with inline PTX (a GPU) or with plain Triton ops (the interpreter)."""
+    return device.type == "cuda"
+
+
+def select_config(M: int, hidden_states: torch.Tensor, w1: WeightOperand, w2: WeightOperand, topk: int,
+                  config: MoeConfig | None, quant: str = "none") -> MoeConfig:
     """The config for this call: an explicit one (tuning, tests) or the table / heuristic choice."""
     if config is not None:
         return config
     E, two_n, K = w1.shape
-    return get_config(M, E, two_n // 2, K, topk, hidden_states.dtype, is_row_major(w1), is_row_major(w2),
-                      hidden_states.device)
+    return get_config(M, E, two_n // 2, K, topk, hidden_states.dtype, is_row_major(w1.w), is_row_major(w2.w),
+                      hidden_states.device, quant)
 
 
 def _stride(t: torch.Tensor | None, dim: int) -> int:
@@ -132,24 +141,27 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     each finished tile in ``routing.tiles_done[expert]`` (for a gemm2 launched with ``wait_tiles_n1``).
     Returns the row copy workspace of ``tma_a`` (or None): with PDL it must stay allocated until a kernel
     that waits for this one's completion has been launched."""
+    w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
-    if act == kern.ACT_SWIGLUOAI:
-        w_desc = _weight_desc(w1, 2 * cfg.block_n, cfg)
+    if not w1.dense:
+        w_desc = None
+    elif act == kern.ACT_SWIGLUOAI:
+        w_desc = _weight_desc(w1.w, 2 * cfg.block_n, cfg)
     else:
-        w_desc = _weight_desc(w1, cfg.block_n, cfg, halves=act != kern.ACT_NONE)
+        w_desc = _weight_desc(w1.w, cfg.block_n, cfg, halves=act != kern.ACT_NONE)
     a_desc, a_tail_desc, rows = _gathered_rows_descs(x, routing, topk, cfg, pdl) if out_sorted else (None,) * 3
     kern.gemm1_sorted_kernel[grid](
-        x, a_desc, a_tail_desc, w1, w_desc, bias if bias is not None else out, out,
+        x, a_desc, a_tail_desc, w1.w, w_desc, w1.scale, bias if bias is not None else out, out,
         weights if weights is not None else out,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.tiles_done, routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks,
         int(bias is not None), int(weights is not None),
-        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
+        x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
-        DOT_PREC=_dot_precision(x.dtype),
+        DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -170,6 +182,7 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     pdl: launch with programmatic dependent launch. wait_tiles_n1 > 0 (gemm1's N tiles; with pdl, after a
     gemm1 launched with ``signal``): each tile waits until its expert's gemm1 tiles have all counted instead
     of waiting for gemm1's whole grid."""
+    w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
     splits = y.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(N, splits), cfg.block_k) * cfg.block_k
@@ -178,18 +191,18 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     else:
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
     grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
-    w_desc = _weight_desc(w2, cfg.block_n, cfg)
+    w_desc = _weight_desc(w2.w, cfg.block_n, cfg) if w2.dense else None
     a_desc, a_tail_desc = _sorted_rows_descs(a, routing.block_m, cfg) if a_sorted else (None, None)
     kern.gemm2_sorted_kernel[grid](
-        a, a_desc, a_tail_desc, w2, w_desc, bias if bias is not None else y, y, weights if weights is not None else y,
+        a, a_desc, a_tail_desc, w2.w, w_desc, w2.scale, bias if bias is not None else y, y,
+        weights if weights is not None else y,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.tiles_done, wait_tiles_n1, routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split,
-        int(bias is not None), int(weights is not None), stride_am, stride_aj, stride_ak,
-        w2.stride(0), w2.stride(1), w2.stride(2),
+        int(bias is not None), int(weights is not None), stride_am, stride_aj, stride_ak, *w2.strides,
         _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         _stride(weights, 0), _stride(weights, 1),
-        A_SORTED=a_sorted,
-        EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype),
+        A_SORTED=a_sorted, WFMT=w2.fmt, PTX=_ptx(a.device),
+        EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype, w2),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, WAIT=wait_tiles_n1 > 0,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -245,25 +258,27 @@ def _sum_slots(y, inverse, out, topk, pdl: bool = False):
 
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig):
     """Rows p of out [P, n_out] for the valid pairs (direct path)."""
+    w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
     M, topk = topk_ids.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     has_map = expert_map is not None
     grid = (triton.cdiv(n_out, cfg.block_n), M * topk)
     kern.gemv1_kernel[grid](
-        x, w1, bias if bias is not None else out, out, weights if weights is not None else out,
+        x, w1.w, w1.scale, bias if bias is not None else out, out, weights if weights is not None else out,
         topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
         M * topk, topk, n_out, two_n // 2, K, int(has_map), int(bias is not None), int(weights is not None),
-        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), _stride(bias, 0), _stride(bias, 1),
+        x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WFMT=w1.fmt, PTX=_ptx(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig):
     """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]."""
+    w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
     M, topk = topk_ids.shape
     has_map = expert_map is not None
@@ -277,14 +292,15 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
     block_n = cfg.block_n if sum_slots else cfg.block_n * triton.next_power_of_2(topk)
     grid = (triton.cdiv(K, block_n), M if sum_slots else M * topk)
     kern.gemv2_kernel[grid](
-        a, w2, bias if bias is not None else out, out, weights if weights is not None else out,
+        a, w2.w, w2.scale, bias if bias is not None else out, out, weights if weights is not None else out,
         topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
         M * topk, topk, topk if sum_slots else 1, K, N, int(has_map), int(bias is not None),
-        int(weights is not None), a.stride(0), a.stride(1), a.stride(2), w2.stride(0), w2.stride(1), w2.stride(2),
+        int(weights is not None), a.stride(0), a.stride(1), a.stride(2), *w2.strides,
         _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on,
         topk_ids.stride(0), topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1),
         SUM_SLOTS=sum_slots, SLOTS=slots, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, WFMT=w2.fmt, PTX=_ptx(a.device), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -292,12 +308,15 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu", *,
                          w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                          expert_map: torch.Tensor | None = None, apply_router_weight_on_input: bool = False,
-                         alpha: float = 1.702, limit: float = 7.0, config: MoeConfig | None = None,
-                         pdl: bool = True) -> torch.Tensor:
+                         alpha: float = 1.702, limit: float = 7.0, quant: str = "none",
+                         w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                         config: MoeConfig | None = None, pdl: bool = True) -> torch.Tensor:
     """out [M, K] = sum_j g_j FFN_{e_j}(x) (or sum_j FFN_{e_j}(g_j x) with apply_router_weight_on_input).
 
-    pdl: programmatic dependent launch where the device has it (False: plain stream order, for A/B runs)."""
+    quant: "none" or "mxfp4" (w1 / w2 packed, with their scales; see ``_weight_formats``). pdl: programmatic
+    dependent launch where the device has it (False: plain stream order, for A/B runs)."""
     M, K = hidden_states.shape
+    w1, w2 = WeightOperand(w1, w1_scale, quant), WeightOperand(w2, w2_scale, quant)
     E, two_n, _ = w1.shape
     N = two_n // 2
     topk = topk_ids.shape[1]
@@ -305,7 +324,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     act = kern.ACTIVATION_CODES[activation]
     if M == 0:
         return torch.empty((0, K), dtype=dtype, device=dev)
-    cfg = select_config(M, hidden_states, w1, w2, topk, config)
+    cfg = select_config(M, hidden_states, w1, w2, topk, config, quant)
     w_in = topk_weights if apply_router_weight_on_input else None
     w_out = None if apply_router_weight_on_input else topk_weights
     out = torch.empty((M, K), dtype=dtype, device=dev)
@@ -324,7 +343,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it. The
         # persistent gemm2 reads only valid rows, so gemm1 leaves the padding rows unwritten for it (at qwen3
         # M = 4096 ~8k rows, 12.6 MB of stores; the end-to-end change was inside the noise).
-        persistent = _persistent_gemm2_ok(a, w2, cfg.gemm2)
+        persistent = w2.dense and _persistent_gemm2_ok(a, w2.w, cfg.gemm2)
         rows = _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1,
                              pdl, signal=pdl and not persistent, zero_padding=not persistent)
         if persistent:
@@ -334,7 +353,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             # qwen3-30b-a3b M = 4096, 8 interleaved rounds, median 785.0 us with PDL -> 775.9 without
             # (triton_kernels 774.9; benchmarks/results/ab_persistent_pdl_h100.txt, from
             # ``python benchmarks/ab_fused_experts.py --model qwen3-30b-a3b --tokens 4096 --persistent-pdl``).
-            _gemm2_persistent(a, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl=False)
+            _gemm2_persistent(a, w2.w, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl=False)
         else:
             splits = effective_splits(N, cfg.gemm2)
             # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
@@ -349,16 +368,18 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
 
 def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids: torch.Tensor, *,
                         w1_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
-                        topk_weights: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
-    """h [M, topk, 2N] = W1[e] (g x or x) + b1[e]; rows of invalid slots are 0."""
+                        topk_weights: torch.Tensor | None = None, quant: str = "none",
+                        w1_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+    """h [M, topk, 2N] = W1[e] (g x or x) + b1[e]; rows of invalid slots are 0. quant: "none" or "mxfp4"."""
     M, K = hidden_states.shape
+    w1 = WeightOperand(w1, w1_scale, quant)
     E, two_n, _ = w1.shape
     topk = topk_ids.shape[1]
     dev, dtype = hidden_states.device, hidden_states.dtype
     h = torch.zeros((M, topk, two_n), dtype=dtype, device=dev)
     if M == 0:
         return h
-    cfg = config or get_config(M, E, two_n // 2, K, topk, dtype, is_row_major(w1), True, dev)
+    cfg = config or get_config(M, E, two_n // 2, K, topk, dtype, is_row_major(w1.w), True, dev, quant)
     h_rows = h.view(M * topk, two_n)
     pdl = pdl_capable(dev)
     with device_guard(dev):
@@ -374,16 +395,19 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
 
 def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, *,
                         w2_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
-                        topk_weights: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
-    """y [M, topk, K] = (W2[e] a + b2[e]) (times g when topk_weights is given); rows of invalid slots are 0."""
+                        topk_weights: torch.Tensor | None = None, quant: str = "none",
+                        w2_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+    """y [M, topk, K] = (W2[e] a + b2[e]) (times g when topk_weights is given); rows of invalid slots are 0.
+    quant: "none" or "mxfp4"."""
     M, topk, N = intermediate.shape
+    w2 = WeightOperand(w2, w2_scale, quant)
     E, K, _ = w2.shape
     dev, dtype = intermediate.device, intermediate.dtype
     y = torch.zeros((M, topk, K), dtype=dtype, device=dev)
     if M == 0:
         return y
     if config is None:
-        config = get_config(M, E, N, K, topk, dtype, True, is_row_major(w2), dev)
+        config = get_config(M, E, N, K, topk, dtype, True, is_row_major(w2.w), dev, quant)
     pdl = pdl_capable(dev)
     with device_guard(dev):
         if config.path == "direct":

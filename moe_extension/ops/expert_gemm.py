@@ -16,15 +16,15 @@ rows of exactly 0; math in fp32, one rounding at the end. Weight layouts per ``q
 GEMM input quantized per row per 128 columns; ``"mxfp4"``: uint8 packed e2m1 ``[E, rows, cols / 2]`` +
 E8M0 scales ``[E, rows, cols / 32]``, the GEMM input rounded to bf16. Any weight strides.
 
-On CUDA with ``quant="none"`` the Triton kernels run (``moe_extension.kernels``); everywhere else the
-PyTorch implementation below (``expert_gemm1_torch`` / ``expert_gemm2_torch``).
+On CUDA with ``quant="none"`` or ``"mxfp4"`` the Triton kernels run (``moe_extension.kernels``); everywhere
+else the PyTorch implementation below (``expert_gemm1_torch`` / ``expert_gemm2_torch``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, WEIGHT_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES, ArgChecker
 from moe_extension.quant.fp8_block import dequantize_fp8_block, fake_quantize_fp8_per_token_group
 from moe_extension.quant.mxfp4 import dequantize_mxfp4
 
@@ -199,27 +199,27 @@ torch.library.impl("moe_ext::expert_gemm2", "cpu")(expert_gemm2_torch)
 @torch.library.impl("moe_ext::expert_gemm1", "cuda")
 def _expert_gemm1_cuda(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=None, topk_weights=None,
                        quant="none", w1_scale=None):
-    if quant != "none":
+    if quant not in TRITON_QUANT:
         return expert_gemm1_torch(hidden_states, w1, topk_ids, w1_bias=w1_bias, expert_map=expert_map,
                                   topk_weights=topk_weights, quant=quant, w1_scale=w1_scale)
     check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale)
     from moe_extension.kernels import expert_gemm1_triton
 
     return expert_gemm1_triton(hidden_states, w1, topk_ids, w1_bias=w1_bias, expert_map=expert_map,
-                               topk_weights=topk_weights)
+                               topk_weights=topk_weights, quant=quant, w1_scale=w1_scale)
 
 
 @torch.library.impl("moe_ext::expert_gemm2", "cuda")
 def _expert_gemm2_cuda(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=None, topk_weights=None,
                        quant="none", w2_scale=None):
-    if quant != "none":
+    if quant not in TRITON_QUANT:
         return expert_gemm2_torch(intermediate, w2, topk_ids, w2_bias=w2_bias, expert_map=expert_map,
                                   topk_weights=topk_weights, quant=quant, w2_scale=w2_scale)
     check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale)
     from moe_extension.kernels import expert_gemm2_triton
 
     return expert_gemm2_triton(intermediate, w2, topk_ids, w2_bias=w2_bias, expert_map=expert_map,
-                               topk_weights=topk_weights)
+                               topk_weights=topk_weights, quant=quant, w2_scale=w2_scale)
 
 
 def expert_gemm1(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=None, topk_weights=None,

@@ -8,8 +8,9 @@ input is scaled instead: ``sum_j FFN_e(g * x)``. Shapes: ``hidden_states [M, K]`
 fp32, ``expert_map [E_global]`` int32 (global id -> local id, -1 = not local). Invalid slots contribute
 exactly 0. Math in fp32, one rounding at the end.
 
-Backends: ``"auto"`` (CUDA + quant none: the Triton kernels; otherwise PyTorch), ``"torch"``,
-``"triton"`` (CUDA, quant none), ``"triton_kernels"`` (OpenAI's matmul_ogs; CUDA, quant none, optional).
+Backends: ``"auto"`` (CUDA with quant "none" or "mxfp4": the Triton kernels; otherwise PyTorch), ``"torch"``,
+``"triton"`` (CUDA, quant "none" or "mxfp4"), ``"triton_kernels"`` (OpenAI's matmul_ogs; CUDA, quant "none" or
+"mxfp4", optional).
 ``fused_experts_torch`` is the PyTorch implementation: slots grouped by expert, one GEMM pair per
 active expert, only the active experts' weights dequantized.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from moe_extension.ops.activations import ACTIVATIONS, activation_torch
-from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, WEIGHT_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES, ArgChecker
 from moe_extension.ops.expert_gemm import ExpertWeights, gemm_input, group_by_expert
 
 BACKENDS = ("auto", "torch", "triton", "triton_kernels")
@@ -38,8 +39,8 @@ def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, exper
             lambda: f"{op}: backend={backend!r} needs CUDA tensors, got hidden_states on {hidden_states.device}",
         )
         torch._check_value(
-            quant == "none",
-            lambda: f"{op}: backend={backend!r} supports quant='none' only, got quant={quant!r} "
+            quant in TRITON_QUANT,
+            lambda: f"{op}: backend={backend!r} supports quant in {TRITON_QUANT}, got quant={quant!r} "
             "(use backend='auto' or 'torch')",
         )
     c.rank("hidden_states", hidden_states, FLOAT_DTYPES, "[M, K]")
@@ -151,14 +152,17 @@ def _fused_experts_cuda(hidden_states, w1, w2, topk_weights, topk_ids, activatio
                 "fused_experts: backend='triton_kernels' needs the triton_kernels package (OpenAI); "
                 "it is not importable"
             )
+        if quant != "none":
+            common.update(quant=quant, w1_scale=w1_scale, w2_scale=w2_scale)
         return triton_kernels.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation, **common)
-    if backend == "torch" or quant != "none":
+    if backend == "torch" or quant not in TRITON_QUANT:
         return _fused_experts_compute(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, w2_bias,
                                       expert_map, apply_router_weight_on_input, quant, w1_scale, w2_scale, alpha,
                                       limit)
     from moe_extension.kernels import fused_experts_triton
 
-    return fused_experts_triton(hidden_states, w1, w2, topk_weights, topk_ids, activation, **common)
+    return fused_experts_triton(hidden_states, w1, w2, topk_weights, topk_ids, activation, quant=quant,
+                                w1_scale=w1_scale, w2_scale=w2_scale, **common)
 
 
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", *, w1_bias=None, w2_bias=None,

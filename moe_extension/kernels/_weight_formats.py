@@ -1,0 +1,298 @@
+"""Weight formats of the routed-expert kernels: how a weight tile is addressed, loaded, decoded and multiplied.
+
+The grouped GEMMs and the GEMVs of ``_grouped_gemm`` share their tile loops, epilogues, routing and
+schedules; what differs between weight formats is only this plug, selected by the ``WFMT`` constexpr:
+
+- ``WFMT_DENSE`` (0): weights in the activations' dtype, logical ``[E, rows, cols]``, any strides; a tile is
+  one (masked) pointer load, multiplied as loaded.
+- ``WFMT_MXFP4`` (1): ``quant="mxfp4"``. Packed e2m1 codes ``uint8 [E, rows, cols / 2]`` (two per byte along
+  cols, low nibble first) with E8M0 scales ``uint8 [E, rows, cols / 32]`` (``2^(s - 127)``, 255 = NaN), any
+  strides. A step of BLOCK_K columns loads BLOCK_K / 2 bytes and BLOCK_K / 32 scales per row and decodes the
+  low nibbles (the even columns) and the high nibbles (the odd columns) into two bf16 tiles
+  (``e2m1 * 2^(s - 127)`` is exact in bf16); the activations' even and odd columns, rounded to bf16 (the
+  contract of ``quant="mxfp4"``), multiply them in two dots into the fp32 accumulator. Splitting by column
+  parity keeps each decoded register pair (two bytes' low nibbles) in the dot's operand order: no
+  interleaving shuffle.
+
+Each format provides the device functions every kernel calls at the same places: ``weight_ptrs`` (the first k
+step's pointers of a tile of weight rows), ``weight_advance`` (the next step's), ``dot_step`` (tensor-core
+step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``) and ``fma_step`` (GEMV step: elementwise products into a
+``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at
+the end). A new format adds
+a branch to each, its scale arguments and its tests.
+
+``PTX`` (constexpr): decode MXFP4 with inline PTX on the GPU (``_e2m1x4_to_bf16``; sm_80+, bf16x2 FMAs); False
+decodes with plain Triton integer ops and multiplies in fp32, for Triton's interpreter, which runs no
+inline PTX and whose bf16 dot is wrong (the decoded values and their products are the same in both).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+WFMT_DENSE = 0
+WFMT_MXFP4 = 1
+WEIGHT_FORMATS = {"none": WFMT_DENSE, "mxfp4": WFMT_MXFP4}
+MXFP4_GROUP = 32
+
+
+@triton.jit
+def _e8m0_bits(s):
+    """uint8 E8M0 scales -> the bf16 bit patterns of 2^(s - 127) as uint16 (s = 0: the subnormal 2^-127,
+    s = 255: NaN)."""
+    s16 = s.to(tl.uint16)
+    return tl.where(s16 == 255, 0x7FC0, tl.where(s16 == 0, 0x0040, s16 << 7)).to(tl.uint16)
+
+
+# The low (even column) and the high (odd column) code of each of 4 bytes ($2) -> 4 bf16 values (e2m1 * 2^-126 by
+# their bits, times 2^126 in one bf16x2 FMA). PRMT spreads bytes (0, 1) and (2, 3) to the two 16-bit lanes of a
+# register; the magnitude bits (2 exponent bits, 1 mantissa bit) go to bits 6..8 of a lane (codes 0 and 1 become
+# subnormals, which fma.rn.bf16x2 keeps), the sign to bit 15: shift LO for the magnitude, LO + 6 for the sign.
+_E2M1X4_ASM = """
+{
+.reg .b32 t0, t1, m, g, bias, nz;
+mov.b32 bias, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+shl.b32 m, t0, SHIFT_MAG;
+shl.b32 g, t0, SHIFT_SIGN;
+and.b32 g, g, 0x80008000;
+lop3.b32 m, m, 0x01C001C0, g, 0xEA;
+fma.rn.bf16x2 $0, m, bias, nz;
+shl.b32 m, t1, SHIFT_MAG;
+shl.b32 g, t1, SHIFT_SIGN;
+and.b32 g, g, 0x80008000;
+lop3.b32 m, m, 0x01C001C0, g, 0xEA;
+fma.rn.bf16x2 $1, m, bias, nz;
+}
+"""
+
+
+_E2M1X4_LO_ASM = tl.constexpr(_E2M1X4_ASM.replace("SHIFT_MAG", "6").replace("SHIFT_SIGN", "12"))
+_E2M1X4_HI_ASM = tl.constexpr(_E2M1X4_ASM.replace("SHIFT_MAG", "2").replace("SHIFT_SIGN", "8"))
+
+
+@triton.jit
+def _e2m1x4_lo_to_bf16(q):
+    """The low code of each byte of ``q`` (uint8) as bf16 (see ``_E2M1X4_ASM``)."""
+    return tl.inline_asm_elementwise(_E2M1X4_LO_ASM, "=r,=r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e2m1x4_hi_to_bf16(q):
+    """The high code of each byte of ``q`` (uint8) as bf16 (see ``_E2M1X4_ASM``)."""
+    return tl.inline_asm_elementwise(_E2M1X4_HI_ASM, "=r,=r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e2m1_to_f32(c):
+    """uint16 e2m1 codes (0..15) -> fp32 values: the code's bits placed into an fp16 (sign at 15, magnitude at
+    9..11) are e2m1 * 2^-14, exactly, subnormals included."""
+    h = ((c & 7) << 9) | ((c & 8) << 12)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _mxfp4_decode_2d(q, s, PTX: tl.constexpr):
+    R: tl.constexpr = q.shape[0]
+    C: tl.constexpr = q.shape[1]
+    G: tl.constexpr = C // 16
+    if PTX:
+        # NOTE: two single-output decodes (each PTX block one input, one output) and the scale applied by
+        # a bf16 multiply outside them: Triton then decodes straight into the layout of wgmma's register
+        # operand; one block with two outputs, or with the scale as an input, made it store the decoded
+        # tiles to shared memory and load them back (two-byte stores; sm_90 SASS from triton 3.6).
+        sb = _e8m0_bits(s).to(tl.bfloat16, bitcast=True)
+        sb = tl.broadcast_to(tl.reshape(sb, (R, G, 1)), (R, G, 16)).reshape(R, C)
+        lo = _e2m1x4_lo_to_bf16(q) * sb
+        hi = _e2m1x4_hi_to_bf16(q) * sb
+    else:
+        q16 = q.to(tl.uint16)
+        sf = (_e8m0_bits(s).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        sf = tl.broadcast_to(tl.reshape(sf, (R, G, 1)), (R, G, 16)).reshape(R, C)
+        lo = _e2m1_to_f32(q16 & 15) * sf
+        hi = _e2m1_to_f32(q16 >> 4) * sf
+    return lo, hi
+
+
+@triton.jit
+def mxfp4_decode(q, s, PTX: tl.constexpr):
+    """``q`` uint8 [..., C] (two e2m1 codes per byte, low nibble = even column; 2-D or 3-D) and ``s`` uint8
+    [..., C / 16] (one E8M0 scale per 32 columns = 16 bytes) -> (even columns, odd columns), each [..., C]:
+    bf16 with PTX, else fp32 (the same numbers)."""
+    if len(q.shape) == 3:
+        S: tl.constexpr = q.shape[0]
+        R: tl.constexpr = q.shape[1]
+        C: tl.constexpr = q.shape[2]
+        lo, hi = _mxfp4_decode_2d(q.reshape(S * R, C), s.reshape(S * R, C // 16), PTX)
+        lo, hi = lo.reshape(S, R, C), hi.reshape(S, R, C)
+    else:
+        lo, hi = _mxfp4_decode_2d(q, s, PTX)
+    return lo, hi
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> the nearest bf16 value (ties to even), held in fp32; NaN stays NaN. Integer ops: the
+    interpreter's fp32 -> bf16 cast truncates."""
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _as_bf16(a, PTX: tl.constexpr):
+    """Activations rounded to bf16 (MXFP4's GEMM input): bf16 with PTX, else the same values in fp32."""
+    if PTX:
+        out = a.to(tl.bfloat16)
+    else:
+        out = _bf16_rne(a.to(tl.float32))
+    return out
+
+
+@triton.jit
+def _even_odd(a):
+    """The even and the odd columns of ``a [..., C]``, each [..., C / 2]."""
+    if len(a.shape) == 2:
+        ev, od = tl.split(tl.reshape(a, (a.shape[0], a.shape[1] // 2, 2)))
+    else:
+        ev, od = tl.split(tl.reshape(a, (a.shape[0] // 2, 2)))
+    return ev, od
+
+
+@triton.jit
+def weight_ptrs(w_ptr, s_ptr, w_rows, s_rows, k0, stride_wk, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+                TRANS: tl.constexpr):
+    """Pointers of the first k step (columns k0 .. k0 + BLOCK_K) of a tile of weight rows whose offsets (in
+    elements, expert included) are ``w_rows`` (int64 [R] or [S, R]) and, for the scales, ``s_rows``.
+
+    Dense: one tile of pointers, [BLOCK_K, R] with TRANS (the dot's B operand; 1-D rows) else [..., R,
+    BLOCK_K], and ``s_ptr`` (unused). MXFP4: the bytes [..., R, BLOCK_K / 2] and the scales
+    [..., R, BLOCK_K / 32]."""
+    if WFMT == 1:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        if len(w_rows.shape) == 2:
+            ptrs = w_ptr + w_rows[:, :, None] + kb[None, None, :] * stride_wk
+            s_ptrs = s_ptr + s_rows[:, :, None] + ks[None, None, :] * stride_sk
+        else:
+            ptrs = w_ptr + w_rows[:, None] + kb[None, :] * stride_wk
+            s_ptrs = s_ptr + s_rows[:, None] + ks[None, :] * stride_sk
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if TRANS:
+            ptrs = w_ptr + w_rows[None, :] + offs_k[:, None] * stride_wk
+        elif len(w_rows.shape) == 2:
+            ptrs = w_ptr + w_rows[:, :, None] + offs_k[None, None, :] * stride_wk
+        else:
+            ptrs = w_ptr + w_rows[:, None] + offs_k[None, :] * stride_wk
+        s_ptrs = s_ptr  # unused: a scalar, so that the tile loops carry nothing extra
+    return ptrs, s_ptrs
+
+
+@triton.jit
+def weight_advance(ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
+    """The pointers of the next k step."""
+    if WFMT == 1:
+        ptrs, s_ptrs = ptrs + (BLOCK_K // 2) * stride_wk, s_ptrs + (BLOCK_K // 32) * stride_sk
+    else:
+        ptrs = ptrs + BLOCK_K * stride_wk
+    return ptrs, s_ptrs
+
+
+@triton.jit
+def _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+    """The decoded (even, odd) column tiles of one MXFP4 step; columns past ``k_left`` read as 0."""
+    if EVEN_K:
+        q = tl.load(ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        q = tl.load(ptrs, mask=tl.arange(0, BLOCK_K // 2) < k_left // 2, other=0)
+        s = tl.load(s_ptrs, mask=tl.arange(0, BLOCK_K // 32) < k_left // 32, other=0)
+    return mxfp4_decode(q, s, PTX)
+
+
+@triton.jit
+def dot_step(acc, a, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+             PTX: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``acc [BM, R] += a [BM, BLOCK_K] @ W[rows, k step]^T`` for the tile at ``ptrs`` (``TRANS`` pointers of
+    ``weight_ptrs``); ``k_left`` columns remain from this step's first one (past them W reads as 0).
+
+    MXFP4: two dots, the activations' even columns with the decoded low nibbles and the odd columns with the
+    high nibbles.
+    NOTE: H100, gpt-oss-120b (E 128, K = N = 2880), gemm1 / gemm2 alone (eager), the fastest of 4 tiles each:
+    these two dots 640 / 363 us at M = 64 (block_m 16) and 2449 / 1349 us at M = 4096 (block_m 128); one dot
+    over the joined (interleaved) tile 855 / 460 and 3112 / 1676 us; the transposed product W @ a^T (the
+    decoded weights as wgmma's register operand) 677 / 359 and 3062 / 1654 us."""
+    if WFMT == 1:
+        w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
+        a_ev, a_od = _even_odd(_as_bf16(a, PTX))
+        acc = tl.dot(a_ev, w_ev.T, acc, input_precision=DOT_PREC)
+        acc = tl.dot(a_od, w_od.T, acc, input_precision=DOT_PREC)
+    else:
+        if EVEN_K:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+             PTX: tl.constexpr):
+    """GEMV step: ``acc [..., R, BLOCK_K] += W [..., R, k step] * x [..., 1, BLOCK_K]`` elementwise in fp32
+    (MXFP4: the even and the odd columns into the same BLOCK_K / 2 columns of acc). ``x`` is [BLOCK_K] (one row for all
+    the tile's rows) or [S, BLOCK_K] (one per leading index of a 3-D tile); ``k_left`` as in ``dot_step`` (a
+    scalar or per leading index, [S, 1, 1])."""
+    if WFMT == 1:
+        w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
+        x_ev, x_od = _even_odd(_as_bf16(x, PTX).to(tl.float32))
+        if len(x.shape) == 2:
+            x_ev, x_od = x_ev[:, None, :], x_od[:, None, :]
+        else:
+            x_ev, x_od = x_ev[None, :], x_od[None, :]
+        acc += w_ev.to(tl.float32) * x_ev + w_od.to(tl.float32) * x_od
+    else:
+        if EVEN_K:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=tl.arange(0, BLOCK_K) < k_left, other=0.0)
+        xf = x.to(tl.float32)
+        if len(x.shape) == 2:
+            xf = xf[:, None, :]
+        else:
+            xf = xf[None, :]
+        acc += w.to(tl.float32) * xf
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side: what a launch passes for one weight stack
+# ----------------------------------------------------------------------------------------------------
+
+
+class WeightOperand:
+    """One expert weight stack as the kernels take it: the data tensor, its scales (or the data again, unused,
+    for dense weights), the format code and the logical ``[E, rows, cols]`` shape (MXFP4 stores cols / 2
+    bytes per row); ``strides`` = (data e, rows, cols; scales e, rows, cols), zeros for absent scales."""
+
+    def __init__(self, w, scale, quant: str):
+        self.fmt = WEIGHT_FORMATS[quant]
+        self.w = w
+        self.scale = w if scale is None else scale
+        E, rows, cols = w.shape
+        self.shape = (E, rows, 2 * cols if self.fmt == WFMT_MXFP4 else cols)
+        s = (0, 0, 0) if scale is None else tuple(scale.stride())
+        self.strides = (*w.stride(), *s)
+
+    @property
+    def dense(self) -> bool:
+        return self.fmt == WFMT_DENSE
+
+    @staticmethod
+    def of(w) -> "WeightOperand":
+        """``w`` itself if it is one, else the dense operand of the tensor ``w``."""
+        return w if isinstance(w, WeightOperand) else WeightOperand(w, None, "none")
