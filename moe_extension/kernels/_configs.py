@@ -177,7 +177,10 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
     if use_direct(M, E, topk):
-        return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms)
+        # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
+        # tile): the same bytes in flight per program.
+        return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
+                                 tile=8192 if quant == "mxfp4" else None)
     rows = P / max(expected_hit_experts(P, E), 1.0)
     # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
     # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
@@ -206,19 +209,26 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         split *= 2
     g2 = dataclasses.replace(g2, split_k=split)
     if quant == "mxfp4":
-        # NOTE: 128 columns per step: 64 bytes of packed codes per weight row (two 32-byte sectors) and a
-        # decode of 128 values per row between two dots; pointer loads (TMA takes 16-bit weights here).
-        g1 = dataclasses.replace(g1, block_k=128, num_stages=3, tma_weights=False)
-        g2 = dataclasses.replace(g2, block_k=128, num_stages=3, tma_weights=False)
+        # NOTE: MXFP4 decodes every weight tile in registers, so its steps are short (64 columns: 32 bytes
+        # per weight row) and small blocks run on few warps. H100, gpt-oss-120b, gemm1 / gemm2 alone, fastest
+        # of 4-8 tiles: M = 64 (block_m 16) 64x64 on 2 warps 640 us (4 warps 678), gemm2 128x64 on 4 warps
+        # 363 us; M = 4096 (block_m 128) 128x64 on 8 warps 2449 us, gemm2 256x64 on 8 warps 1349 us.
+        small = block_m <= 32
+        g1 = dataclasses.replace(g1, block_n=128 if block_m == 128 else 64, block_k=64,
+                                 num_warps=2 if small else 4 if block_m == 64 else 8,
+                                 num_stages=4 if block_m < 128 else 3, tma_weights=False)
+        g2 = dataclasses.replace(g2, block_n=128 if block_m < 128 else 256, block_k=64,
+                                 num_warps=4 if block_m < 128 else 8, num_stages=4 if block_m < 128 else 3,
+                                 tma_weights=False)
     return MoeConfig("sorted", block_m, g1, g2)
 
 
-def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms) -> MoeConfig:
+def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms, tile=None) -> MoeConfig:
     # NOTE: GEMV tiles of ~4 K elements (8 KB bf16) per load, 4 stages in flight, 4 warps: 2-4 programs
     # per SM keep ~64 KB of weight loads in flight per SM. The contiguous dim gets >= 64 bytes per row
     # (>= 2 sectors); the other dim shrinks until there are >= 3 programs per SM. The second GEMV's tile
     # spans all slots of a token: slots x block_n x block_k.
-    tile = 4096 if esize <= 2 else 2048
+    tile = tile or (4096 if esize <= 2 else 2048)
     slots = triton_next_pow2(topk)
     contig = 128 // esize
     if w1_row:
