@@ -1,7 +1,11 @@
 """Triton kernels of the routed expert GEMMs (fp32 accumulation, one rounding per stored value).
 
 Pairs ``p = t * topk + j`` of token ``t`` and slot ``j``; ``e`` = local expert of the slot (see
-``_routing.local_expert``). Weights come in logical ``[E, out, in]`` layout with any strides.
+``_routing.local_expert``). Weights come in logical ``[E, out, in]`` layout with any strides, in the format
+selected by the ``WFMT`` constexpr (``_weight_formats``: dense 16/32-bit, or MXFP4 codes with their scales at
+``ws_ptr``); every kernel addresses, loads and multiplies its weight tiles through that module's plug, so the
+tile loops, epilogues and schedules below are the same for every format. TMA weight tiles and the persistent
+gemm2 take dense 16-bit weights only.
 
 Grouped (expert-sorted) kernels, walking the blocks of ``_routing.route``:
 - ``gather_rows_kernel`` (optional): copies the rows ``x[t]`` into sorted order for gemm1's TMA loads.
