@@ -13,8 +13,9 @@ checks every variant's output bitwise against the table config's, and prints per
 A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2": {...}}`` (any subset),
 applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
 dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launched with PDL (the
-launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without). ``--activation`` times another activation than the benchmark's
-swigluoai (triton_kernels is then left out: it fuses only swigluoai). ``--op expert_gemm2`` times the unfused
+launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
+``--activation`` times another activation than the benchmark's swigluoai (triton_kernels is then left out:
+it fuses only swigluoai). ``--op expert_gemm2`` times the unfused
 second GEMM (``expert_gemm2_triton`` on a random [M, topk, N] intermediate, router weights applied; the
 routing included) instead of the whole op, without triton_kernels. ``--profile`` also prints each
 kernel's mean time per call over a few eager calls (torch.profiler; short bursts, so clocks run above the

@@ -15,11 +15,22 @@ winner is checked against the heuristic's output (rel err <= 1e-2) before it is 
 
 The table goes to ``<out>/<device>.json`` (the file ``moe_extension/kernels/_configs.py`` loads from
 ``moe_extension/configs/``), merged over the table already there for this device. Entries are keyed by
-(E, N, K, topk, dtype, weight layouts); the activation is swigluoai (what the benchmark runs).
+(E, N, K, topk, dtype, weight layouts, weight format); the activation is swigluoai (what the benchmark runs).
 
 The default run (the three benchmark models at M in {1, 16, 64, 256, 1024, 4096}) was sized to take well
 under 4 minutes on an H100, most of it Triton compiles (cached on disk for the next run), before the first
 GEMM's third load variant (half again as many first-GEMM candidates; not re-timed). CUDA only.
+
+``--quant mxfp4``: MXFP4 expert weights (packed e2m1 + E8M0 per 32, bf16-rounded activations; default
+models gpt-oss-120b and gpt-oss-20b). Each model's weights are random normal / sqrt(cols), quantized once on
+the GPU with ``moe_extension.quant.quantize_mxfp4`` (8 experts at a time) and passed to the launchers as
+``WeightOperand(packed, scales, "mxfp4")``; ``--weight-layout transposed`` passes transposed views of
+``[E, K/2, 2N]`` / ``[E, N/2, K]`` storage, scales alike. The search is the one above with MXFP4's own tile
+lists (block_k 64 or 128; the H100's gpt-oss-120b winners among them) and without what MXFP4 weights do not
+take: no TMA weight tiles and no persistent gemm2 (both need 16-bit weights), TMA rows only for gemm2's
+sorted intermediate. Configs are sanitized for MXFP4, the end-to-end timings and the check run
+``fused_experts_triton(..., quant="mxfp4", w1_scale, w2_scale)``, and the entries go under the key with
+``,quant=mxfp4`` (``table_key(..., "mxfp4")``).
 """
 
 from __future__ import annotations
@@ -42,26 +53,48 @@ MODELS = {
     "gpt-oss-120b": dict(E=128, topk=4, K=2880, N=2880),
     "qwen3-30b-a3b": dict(E=128, topk=8, K=2048, N=768),
     "mixtral-8x7b": dict(E=8, topk=2, K=4096, N=14336),
+    "gpt-oss-20b": dict(E=32, topk=4, K=2880, N=2880),
 }
+# --models by --quant: the three bf16 benchmark models; for MXFP4 the gpt-oss models, whose experts ship in it
+DEFAULT_MODELS = {
+    "none": ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"),
+    "mxfp4": ("gpt-oss-120b", "gpt-oss-20b"),
+}
+MXFP4_GROUP = 32  # values per E8M0 scale: K and N must be multiples of it
+MXFP4_QUANTIZE_CHUNK = 8  # experts quantized at a time (fp32 temporaries of ~0.5 GB per 8 gpt-oss W1s)
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 ACTIVATION = "swigluoai"
+DEVICE = "cuda"  # of the weights and inputs (the CPU tests run the tuner in Triton's interpreter)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--quant", choices=("none", "mxfp4"), default="none",
+                   help="expert weight format: 'none' = weights in --dtype; 'mxfp4' = MXFP4 weights, --dtype "
+                        "activations (default: %(default)s)")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
+                   help=f"models to tune (default: {' '.join(DEFAULT_MODELS['none'])}; with --quant mxfp4 "
+                        f"{' '.join(DEFAULT_MODELS['mxfp4'])})")
     p.add_argument("--shape", nargs=4, type=int, action="append", metavar=("E", "TOPK", "K", "N"), default=[],
                    help="extra expert shape to tune (repeatable)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="M buckets (default: %(default)s)")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--weight-layout", choices=("linear", "transposed"), default="linear",
-                   help="'linear': w1 [E, 2N, K] contiguous; 'transposed': [E, K, 2N] storage passed as views")
+                   help="'linear': w1 [E, 2N, K] contiguous; 'transposed': [E, K, 2N] storage passed as views "
+                        "(MXFP4: packed [E, K/2, 2N] and scales [E, K/32, 2N])")
     p.add_argument("--out", default=None,
                    help="directory for <device>.json (default: moe_extension/configs, i.e. install the table)")
     p.add_argument("--sets", type=int, default=4, help="rotated routings per timing (default: %(default)s)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.models is None:
+        args.models = list(DEFAULT_MODELS[args.quant])
+    if args.quant == "mxfp4":
+        odd = [s for s in args.shape if s[2] % MXFP4_GROUP or s[3] % MXFP4_GROUP]
+        if odd:
+            p.error(f"--quant mxfp4 needs K and N multiples of {MXFP4_GROUP}; --shape {odd}")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,12 +142,65 @@ def gemm2_candidates(block_m: int, small: bool):
             G(128, 64, 8, 4, group_m=16)]
 
 
-def with_tma(candidates, weights_only: bool = False):
+def mxfp4_gemm1_candidates(block_m: int):
+    """gemm1 tiles for MXFP4 weights, block_k 64 or 128 (a step loads block_k / 2 bytes per weight row).
+    NOTE: the tiles that measured best on an H100 for gpt-oss-120b (gemm1 / gemm2 alone), each list led by
+    the heuristic's MXFP4 tile (the NOTE in ``_configs.heuristic_config``)."""
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    if block_m <= 32:
+        return [G(64, 64, 2, 4), G(64, 64, 4, 4), G(32, 64, 4, 4), G(64, 128, 4, 3)]
+    if block_m == 64:
+        return [G(64, 64, 4, 4), G(128, 64, 4, 3), G(64, 64, 8, 4), G(128, 64, 8, 3)]
+    return [G(128, 64, 8, 3), G(64, 64, 8, 4), G(128, 64, 4, 3), G(64, 64, 4, 4)]
+
+
+def mxfp4_gemm2_candidates(block_m: int, small: bool):
+    """gemm2 (+ slot sum) tiles for MXFP4 weights; ``small`` (few row blocks) adds split reductions."""
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    if block_m <= 32:
+        base = [G(128, 64, 4, 4), G(128, 128, 4, 3), G(64, 128, 4, 3), G(128, 64, 2, 4)]
+        if small:
+            base += [dataclasses.replace(base[0], split_k=2), dataclasses.replace(base[0], split_k=4)]
+        return base
+    if block_m == 64:
+        return [G(128, 64, 4, 4), G(256, 64, 8, 3), G(128, 128, 4, 3), G(128, 64, 8, 4)]
+    return [G(256, 64, 8, 3), G(128, 64, 8, 4), G(128, 64, 4, 4), G(256, 64, 4, 3)]
+
+
+def with_tma(candidates, weights_only: bool = False, quant: str = "none"):
     """Each candidate with pointer loads and with TMA loads of the weight tiles and the A rows (gemm2: its
     sorted rows; gemm1: the token rows copied into sorted order, the copy timed with it); with
-    ``weights_only`` (gemm1) also with TMA loads of the weight tiles alone."""
+    ``weights_only`` (gemm1) also with TMA loads of the weight tiles alone.
+
+    MXFP4 (``quant="mxfp4"``): its weight tiles are always pointer loads (packed bytes and scales, decoded
+    in registers), so gemm2 gets only the variant with TMA loads of its sorted rows, and gemm1
+    (``weights_only``) no variant."""
+    if quant == "mxfp4":
+        return list(candidates) if weights_only else [
+            g for c in candidates for g in (c, dataclasses.replace(c, tma_a=True))]
     loads = [(True, True)] + ([(True, False)] if weights_only else [])
     return [g for c in candidates for g in [c] + [dataclasses.replace(c, tma_weights=w, tma_a=a) for w, a in loads]]
+
+
+def sorted_candidates(block_m: int, small: bool, dtype, N: int, K: int, quant: str = "none"):
+    """(gemm1 tiles, gemm2 tiles) that the sorted path times at ``block_m``, sanitized for (dtype, N, K,
+    quant); ``small``: few row blocks (gemm2 adds split reductions). MXFP4 drops the tiles that sanitize
+    into an earlier one."""
+    from moe_extension.kernels._configs import MoeConfig, sanitize
+
+    if quant == "none":
+        g1s = with_tma(gemm1_candidates(block_m), weights_only=True)
+        g2s = with_tma(gemm2_candidates(block_m, small))
+    else:
+        g1s = with_tma(mxfp4_gemm1_candidates(block_m), weights_only=True, quant=quant)
+        g2s = with_tma(mxfp4_gemm2_candidates(block_m, small), quant=quant)
+    g1s = [sanitize(MoeConfig("sorted", block_m, g, g), dtype, N, K, 1, quant).gemm1 for g in g1s]
+    g2s = [sanitize(MoeConfig("sorted", block_m, g, g), dtype, N, K, 1, quant).gemm2 for g in g2s]
+    if quant != "none":
+        g1s, g2s = list(dict.fromkeys(g1s)), list(dict.fromkeys(g2s))
+    return g1s, g2s
 
 
 def tail_variants(g, block_m: int):
@@ -187,10 +273,55 @@ def make_weights(E, K, N, dtype, layout):
     """w1 [E, 2N, K], w2 [E, K, N]: contiguous ('linear') or transposed views of [E, in, out] storage."""
     def stack(rows, cols):
         shape = (E, rows, cols) if layout == "linear" else (E, cols, rows)
-        w = torch.randn(shape, dtype=dtype, device="cuda").mul_(1.0 / math.sqrt(cols))
+        w = torch.randn(shape, dtype=dtype, device=DEVICE).mul_(1.0 / math.sqrt(cols))
         return w if layout == "linear" else w.transpose(1, 2)
 
     return stack(2 * N, K), stack(K, N)
+
+
+def make_mxfp4_weights(E, K, N, layout):
+    """(w1, w2) as ``WeightOperand(packed, scales, "mxfp4")`` of random normal / sqrt(cols) weights quantized
+    on the GPU (``quantize_mxfp4``, MXFP4_QUANTIZE_CHUNK experts at a time): w1 packed ``[E, 2N, K/2]`` +
+    scales ``[E, 2N, K/32]``, w2 ``[E, K, N/2]`` + ``[E, K, N/32]``; contiguous ('linear') or transposed views
+    of ``[E, K/2, 2N]`` / ``[E, K/32, 2N]`` (w2: ``[E, N/2, K]`` / ``[E, N/32, K]``) storage ('transposed')."""
+    from moe_extension.kernels._weight_formats import WeightOperand
+    from moe_extension.quant import quantize_mxfp4
+
+    def buffer(rows, cols):
+        if layout == "linear":
+            return torch.empty((E, rows, cols), dtype=torch.uint8, device=DEVICE)
+        return torch.empty((E, cols, rows), dtype=torch.uint8, device=DEVICE).transpose(1, 2)
+
+    def stack(rows, cols):
+        packed, scales = buffer(rows, cols // 2), buffer(rows, cols // MXFP4_GROUP)
+        for lo in range(0, E, MXFP4_QUANTIZE_CHUNK):
+            hi = min(E, lo + MXFP4_QUANTIZE_CHUNK)
+            w = torch.randn((hi - lo, rows, cols), device=DEVICE).mul_(1.0 / math.sqrt(cols))
+            packed[lo:hi], scales[lo:hi] = quantize_mxfp4(w)
+            del w
+        return WeightOperand(packed, scales, "mxfp4")
+
+    w1, w2 = stack(2 * N, K), stack(K, N)
+    torch.cuda.empty_cache()
+    return w1, w2
+
+
+def weight_quant(w) -> str:
+    """The ``quant`` of a weight stack as the launchers take it: a tensor (dense) or a ``WeightOperand``."""
+    from moe_extension.kernels._weight_formats import WEIGHT_FORMATS, WeightOperand
+
+    if not isinstance(w, WeightOperand):
+        return "none"
+    return next(q for q, code in WEIGHT_FORMATS.items() if code == w.fmt)
+
+
+def fused_call_args(w1, w2):
+    """(w1, w2, keyword arguments) of ``fused_experts_triton`` for the stacks ``w1``, ``w2``: the tensors and
+    nothing for dense weights; the packed data and ``quant``, ``w1_scale``, ``w2_scale`` for WeightOperands."""
+    quant = weight_quant(w1)
+    if quant == "none":
+        return w1, w2, {}
+    return w1.w, w2.w, dict(quant=quant, w1_scale=w1.scale, w2_scale=w2.scale)
 
 
 def add_cell_arguments(p) -> None:
@@ -212,8 +343,8 @@ def make_sets(E, topk, K, M, dtype, n_sets):
     """Rotated (x, topk_weights, topk_ids) sets with random routing."""
     sets = []
     for _ in range(n_sets):
-        x = torch.randn(M, K, dtype=dtype, device="cuda")
-        scores = torch.rand(M, E, device="cuda")
+        x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+        scores = torch.rand(M, E, device=DEVICE)
         g, ids = scores.topk(topk, dim=1)
         sets.append((x, (g / g.sum(1, keepdim=True)).float().contiguous(), ids.to(torch.int32).contiguous()))
     return sets
@@ -225,17 +356,19 @@ def make_sets(E, topk, K, M, dtype, n_sets):
 
 
 def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
+    """w1, w2: tensors, or ``WeightOperand``s (MXFP4); (µs, MoeConfig) of the best sorted config or None."""
     import moe_extension.kernels.fused_experts as fe
     from moe_extension.kernels._configs import MoeConfig, sanitize
     from moe_extension.kernels._routing import route
 
-    dtype = w1.dtype
+    quant = weight_quant(w1)
+    dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     best = None
     for bm in block_m_candidates(M, E, topk):
         routings = [route(ids, E, bm) for _, _, ids in sets]
         t_route = time_us(lambda i: route(sets[i % n][2], E, bm), n)
-        a_ws = [torch.randn(r.max_blocks * bm, N, dtype=dtype, device=w1.device) for r in routings]
+        a_ws = [torch.randn(r.max_blocks * bm, N, dtype=dtype, device=device) for r in routings]
 
         def time_g1(g1):
             t = time_us(lambda i: fe._gemm1_sorted(sets[i % n][0], w1, None, a_ws[i % n], True, routings[i % n],
@@ -244,12 +377,13 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
             return t
 
         def time_g2(g2):
-            persistent = fe._persistent_gemm2_ok(a_ws[0], w2, g2)
+            # the persistent gemm2 takes 16-bit weights only: never with MXFP4 (a WeightOperand)
+            persistent = quant == "none" and fe._persistent_gemm2_ok(a_ws[0], w2, g2)
             splits = fe.effective_splits(N, g2)
             shape = (a_ws[0].shape[0], K) if persistent else (splits, M, topk, K)
-            ys = [torch.empty(shape, dtype=dtype if splits == 1 else torch.float32, device=w1.device)
+            ys = [torch.empty(shape, dtype=dtype if splits == 1 else torch.float32, device=device)
                   for _ in range(n)]
-            outs = [torch.empty(M, K, dtype=dtype, device=w1.device) for _ in range(n)]
+            outs = [torch.empty(M, K, dtype=dtype, device=device) for _ in range(n)]
 
             def run2(i):
                 j = i % n
@@ -264,11 +398,10 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
             return t
 
         few_blocks = (M * topk / bm + min(M * topk, E)) * math.ceil(K / 64) < 4 * 132
-        g1_best = fastest(time_g1, [sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm1
-                                    for g in with_tma(gemm1_candidates(bm), weights_only=True)], bm)
-        g2_best = fastest(time_g2, [sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm2
-                                    for g in with_tma(gemm2_candidates(bm, few_blocks))], bm)
-        if g2_best[1] is not None and g2_best[1].tma_a:
+        g1s, g2s = sorted_candidates(bm, few_blocks, dtype, N, K, quant)
+        g1_best = fastest(time_g1, g1s, bm)
+        g2_best = fastest(time_g2, g2s, bm)
+        if quant == "none" and g2_best[1] is not None and g2_best[1].tma_a:
             # the winner as a persistent kernel (its stages refit to hold the output tile)
             g = dataclasses.replace(g2_best[1], persistent=True)
             g = sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm2
@@ -282,24 +415,26 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
 
 
 def tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
+    """w1, w2: tensors, or ``WeightOperand``s (MXFP4); (µs, MoeConfig) of the best direct config or None."""
     import moe_extension.kernels.fused_experts as fe
     from moe_extension.kernels._configs import MoeConfig, heuristic_config, sanitize
 
-    dtype = w1.dtype
+    quant = weight_quant(w1)
+    dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
-    a_ws = [torch.randn(M, topk, N, dtype=dtype, device=w1.device) for _ in range(n)]
-    outs = [torch.empty(M, K, dtype=dtype, device=w1.device) for _ in range(n)]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if w1.is_cuda else 132
-    g1c, g2c = direct_candidates(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms))
+    a_ws = [torch.randn(M, topk, N, dtype=dtype, device=device) for _ in range(n)]
+    outs = [torch.empty(M, K, dtype=dtype, device=device) for _ in range(n)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 132
+    g1c, g2c = direct_candidates(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant))
     best1, best2 = (math.inf, None), (math.inf, None)
     for g1 in g1c:
-        g1 = sanitize(MoeConfig("direct", 0, g1, g1), dtype, N, K, topk).gemm1
+        g1 = sanitize(MoeConfig("direct", 0, g1, g1), dtype, N, K, topk, quant).gemm1
         t = time_us(lambda i: fe._gemv1(sets[i % n][0], w1, None, a_ws[i % n].view(M * topk, N), sets[i % n][2],
                                         None, act, None, 1.702, 7.0, g1), n)
         print(f"    direct gemv1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages}: {t:9.1f} us")
         best1 = min(best1, (t, g1), key=lambda x: x[0])
     for g2 in g2c:
-        g2 = sanitize(MoeConfig("direct", 0, g2, g2), dtype, N, K, topk).gemm2
+        g2 = sanitize(MoeConfig("direct", 0, g2, g2), dtype, N, K, topk, quant).gemm2
         t = time_us(lambda i: fe._gemv2(a_ws[i % n], w2, None, outs[i % n], sets[i % n][2], None, sets[i % n][1],
                                         True, g2), n)
         print(f"    direct gemv2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages}: {t:9.1f} us")
@@ -310,10 +445,13 @@ def tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
 
 
 def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
+    """(µs, MoeConfig) of the fastest config of one (shape, M) cell, end to end; w1, w2: tensors, or
+    ``WeightOperand``s (MXFP4: timed and checked through ``fused_experts_triton(..., quant="mxfp4")``)."""
     from moe_extension.kernels import fused_experts_triton
     from moe_extension.kernels._configs import heuristic_config, sanitize, use_direct
 
-    dtype = w1.dtype
+    quant = weight_quant(w1)
+    dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     finalists = []
     if use_direct(M, E, topk) or M <= 4:
@@ -323,19 +461,20 @@ def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     s = tune_sorted(w1, w2, sets, E, topk, K, N, M, act)
     if s:
         finalists.append(s[1])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if w1.is_cuda else 132
-    heur = sanitize(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms), dtype, N, K, topk)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 132
+    heur = sanitize(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant), dtype, N, K, topk, quant)
     x, g, ids = sets[0]
-    ref = fused_experts_triton(x, w1, w2, g, ids, ACTIVATION, config=heur).double()
+    w1, w2, qkw = fused_call_args(w1, w2)
+    ref = fused_experts_triton(x, w1, w2, g, ids, ACTIVATION, config=heur, **qkw).double()
     best = (math.inf, heur)
     for cfg in finalists + [heur]:
-        out = fused_experts_triton(x, w1, w2, g, ids, ACTIVATION, config=cfg).double()
+        out = fused_experts_triton(x, w1, w2, g, ids, ACTIVATION, config=cfg, **qkw).double()
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-30)) if out.isfinite().all() else math.inf
         if err > 1e-2:
             print(f"    REJECTED (rel err {err:.2e} vs heuristic): {cfg}")
             continue
         t = time_us(lambda i, cfg=cfg: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
-                                                            ACTIVATION, config=cfg), n)
+                                                            ACTIVATION, config=cfg, **qkw), n)
         tag = "heuristic" if cfg is heur else cfg.path
         print(f"    end-to-end {tag:9s}: {t:9.1f} us")
         if t < best[0]:
@@ -369,10 +508,13 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     for name, s in shapes:
         E, topk, K, N = s["E"], s["topk"], s["K"], s["N"]
-        key = table_key(E, N, K, topk, dtype, linear, linear)
+        key = table_key(E, N, K, topk, dtype, linear, linear, args.quant)
         print(f"== {name} ({key})")
         entry = configs.setdefault(key, {})
-        w1, w2 = make_weights(E, K, N, dtype, args.weight_layout)
+        if args.quant == "mxfp4":
+            w1, w2 = make_mxfp4_weights(E, K, N, args.weight_layout)
+        else:
+            w1, w2 = make_weights(E, K, N, dtype, args.weight_layout)
         for M in args.tokens:
             sets = make_sets(E, topk, K, M, dtype, args.sets)
             print(f"  M={M} ({time.time() - t0:.0f} s)")

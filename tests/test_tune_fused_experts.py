@@ -1,11 +1,22 @@
-"""benchmarks/tune_fused_experts.py: one sorted-path cell tuned on the GPU from a cut-down candidate list.
+"""benchmarks/tune_fused_experts.py: its options, the candidate lists of both weight formats, whole runs on tiny
+shapes, and one sorted-path cell tuned on the GPU from a cut-down candidate list.
 
-The tuner times by CUDA-graph replay, so this runs on the GPU only. It checks that the sorted path's search
-also times its second-GEMM winner with TMA rows as the persistent kernel (sm_90+), that the cell's winner is
-a config ``sanitize`` leaves as it is, and that the winner computes the op (against the fp64 reference). Every
-timing must be finite: the tuner reports a config that fails to compile or launch as inf and goes on.
+Anywhere: the options (``--quant``, the default models of each), the MXFP4 candidates (block_k 64 or 128, no
+TMA weight tiles, TMA rows for gemm2 only, the H100's gpt-oss-120b tiles among them; each one as sanitize leaves
+it), the bf16 lists as before, the MXFP4 weights in both layouts, and whole runs of ``main`` on a tiny shape
+with the timings faked (the launches, the correctness check against the heuristic and the table file real; on
+the GPU where there is one, else in Triton's interpreter): the MXFP4 run (transposed views) writes the
+``,quant=mxfp4`` key and never asks about the persistent gemm2, the dense run writes the key it always wrote;
+and the direct path's GEMVs on MXFP4 weights.
+
+On the GPU only (the tuner times by CUDA-graph replay): the sorted path's search also times its second-GEMM
+winner with TMA rows as the persistent kernel (sm_90+), the cell's winner is a config ``sanitize`` leaves as it
+is, and the winner computes the op (against the fp64 reference). Every timing must be finite: the tuner reports
+a config that fails to compile or launch as inf and goes on.
 """
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -14,12 +25,195 @@ import torch
 
 import moe_extension.kernels.fused_experts as fe
 from moe_extension.kernels import fused_experts_triton
-from moe_extension.kernels._configs import GemmConfig, sanitize
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, sanitize, table_key
 from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES
+from moe_extension.kernels._weight_formats import WeightOperand
+from moe_extension.ops import fused_experts_torch
 from tests.reference import assert_close, fused_experts_reference, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import tune_fused_experts as tune  # noqa: E402
+
+# The runs of the tuner on tiny shapes: on the GPU where there is one, else in Triton's interpreter on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16_MODELS = ["gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"]
+# gpt-oss-120b's MXFP4 tiles that measured best on an H100 (GemmConfig(block_n, block_k, num_warps, num_stages))
+H100_MXFP4_TILES = {
+    16: ([(64, 64, 2, 4), (64, 64, 4, 4), (32, 64, 4, 4), (64, 128, 4, 3)],
+         [(128, 64, 4, 4), (128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 2, 4)]),
+    64: ([(64, 64, 4, 4), (128, 64, 4, 3), (64, 64, 8, 4), (128, 64, 8, 3)],
+         [(128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 4, 3), (128, 64, 8, 4)]),
+    128: ([(128, 64, 8, 3), (64, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4)],
+          [(256, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (256, 64, 4, 3)]),
+}
+
+
+def _tile(g):
+    return g.block_n, g.block_k, g.num_warps, g.num_stages
+
+
+def test_options_quant_and_default_models():
+    args = tune.parse_args([])
+    assert (args.quant, args.models, args.weight_layout, args.dtype) == ("none", BF16_MODELS, "linear", "bfloat16")
+    assert tune.MODELS["gpt-oss-20b"] == dict(E=32, topk=4, K=2880, N=2880)
+    args = tune.parse_args(["--quant", "mxfp4"])
+    assert (args.quant, args.models) == ("mxfp4", ["gpt-oss-120b", "gpt-oss-20b"])
+    args = tune.parse_args(["--quant", "mxfp4", "--models", "qwen3-30b-a3b", "--weight-layout", "transposed",
+                            "--shape", "8", "2", "64", "96"])
+    assert (args.models, args.weight_layout, args.shape) == (["qwen3-30b-a3b"], "transposed", [[8, 2, 64, 96]])
+    assert tune.parse_args(["--models", "gpt-oss-20b"]).models == ["gpt-oss-20b"]
+    for argv in (["--quant", "fp8_block"], ["--quant", "mxfp4", "--shape", "8", "2", "64", "40"],
+                 ["--models", "gpt-oss-7b"]):
+        with pytest.raises(SystemExit):
+            tune.parse_args(argv)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("small", [False, True])
+def test_mxfp4_candidates(block_m, small):
+    g1s, g2s = tune.sorted_candidates(block_m, small, torch.bfloat16, 2880, 2880, "mxfp4")
+    for gs, which in ((g1s, "gemm1"), (g2s, "gemm2")):
+        assert gs and len(set(gs)) == len(gs)
+        assert all(g.block_k in (64, 128) and not g.tma_weights and not g.persistent for g in gs)
+        for g in gs:  # sanitize for MXFP4 keeps every candidate as it is
+            cfg = MoeConfig("sorted", block_m, g, g)
+            assert getattr(sanitize(cfg, torch.bfloat16, 2880, 2880, 4, "mxfp4"), which) == g
+    assert not any(g.tma_a for g in g1s), "gemm1 of MXFP4: no TMA variants"
+    assert {g for g in g2s if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in g2s if not g.tma_a}
+    want1, want2 = H100_MXFP4_TILES[16 if block_m <= 32 else block_m]  # block_m 32 takes block_m 16's tiles
+    assert set(want1) <= {_tile(g) for g in g1s} and set(want2) <= {_tile(g) for g in g2s}
+    assert any(g.split_k > 1 for g in g2s) == (small and block_m <= 32)
+
+
+def test_with_tma_of_mxfp4():
+    tiles = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 128, 8, 3)]
+    assert tune.with_tma(tiles, weights_only=True, quant="mxfp4") == tiles
+    assert tune.with_tma(tiles, quant="mxfp4") == [tiles[0], dataclasses.replace(tiles[0], tma_a=True),
+                                                   tiles[1], dataclasses.replace(tiles[1], tma_a=True)]
+
+
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+def test_bf16_candidates_as_before(block_m):
+    """The default run's lists: each tile with pointer and with TMA loads (gemm1 also TMA weights alone)."""
+    def before(gs, which):
+        return [getattr(sanitize(MoeConfig("sorted", block_m, g, g), torch.bfloat16, 768, 2048), which) for g in gs]
+
+    g1s, g2s = tune.sorted_candidates(block_m, True, torch.bfloat16, 768, 2048)
+    assert g1s == before(tune.with_tma(tune.gemm1_candidates(block_m), weights_only=True), "gemm1")
+    assert g2s == before(tune.with_tma(tune.gemm2_candidates(block_m, True)), "gemm2")
+    assert len(g1s) == 3 * len(tune.gemm1_candidates(block_m))
+    assert len(g2s) == 2 * len(tune.gemm2_candidates(block_m, True))
+    assert any(g.tma_weights and not g.tma_a for g in g1s)
+
+
+@pytest.mark.parametrize("layout", ["linear", "transposed"])
+def test_mxfp4_weights_layouts(monkeypatch, layout):
+    from moe_extension.quant import dequantize_mxfp4
+
+    monkeypatch.setattr(tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(tune, "MXFP4_QUANTIZE_CHUNK", 2)  # 3 experts: uneven chunks
+    torch.manual_seed(0)
+    w1, w2 = tune.make_mxfp4_weights(3, 64, 96, layout)
+    for w, shape in ((w1, (3, 192, 64)), (w2, (3, 64, 96))):
+        assert isinstance(w, WeightOperand) and w.shape == shape and tune.weight_quant(w) == "mxfp4"
+        assert w.w.shape == (3, shape[1], shape[2] // 2) and w.scale.shape == (3, shape[1], shape[2] // 32)
+        for t in (w.w, w.scale):
+            assert t.dtype == torch.uint8
+            # 'transposed': views of [E, cols, rows] storage, as the benchmark's vLLM layout
+            assert t.is_contiguous() == (layout == "linear")
+            assert t.transpose(1, 2).is_contiguous() == (layout == "transposed")
+        values = dequantize_mxfp4(w.w, w.scale)
+        assert bool(values.isfinite().all()) and 0.5 < float(values.std() * shape[2] ** 0.5) < 2.0
+    x, g, ids = tune.make_sets(3, 2, 64, 5, torch.bfloat16, 1)[0]
+    d1, d2, kw = tune.fused_call_args(w1, w2)
+    assert (d1, d2) == (w1.w, w2.w) and kw == dict(quant="mxfp4", w1_scale=w1.scale, w2_scale=w2.scale)
+    assert tune.fused_call_args(d1, d2) == (d1, d2, {}) and tune.weight_quant(d1) == "none"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The tuner on DEVICE (on the CPU Triton's interpreter runs every launch); time_us calls fn and fakes the
+    timing."""
+    monkeypatch.setattr(tune, "DEVICE", DEVICE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    timed = []
+
+    def time_us(fn, n):
+        for i in range(2):
+            fn(i)
+        timed.append(fn)
+        return 10.0
+
+    monkeypatch.setattr(tune, "time_us", time_us)
+    return timed
+
+
+# One tile each: the interpreter takes 0.1-0.2 s per launch of these tiles (the GEMVs of the direct path take
+# seconds, so the runs tune M = 16: the sorted path only).
+ONE_TILE = dict(mxfp4_gemm1_candidates=lambda block_m: [GemmConfig(32, 64, 4, 3)],
+                mxfp4_gemm2_candidates=lambda block_m, small: [GemmConfig(32, 64, 4, 3)],
+                gemm1_candidates=lambda block_m: [GemmConfig(32, 32, 4, 3)],
+                gemm2_candidates=lambda block_m, small: [GemmConfig(32, 32, 4, 3)])
+
+
+@pytest.mark.parametrize("quant, layout", [("mxfp4", "transposed"), ("none", "linear")])
+def test_run_writes_the_key_of_the_format(fake_gpu, monkeypatch, tmp_path, capsys, quant, layout):
+    # fp16 for the dense run: the interpreter's bf16 dot is wrong (MXFP4 multiplies in fp32 there)
+    dtype = torch.bfloat16 if quant == "mxfp4" else torch.float16
+    for name, fn in ONE_TILE.items():
+        monkeypatch.setattr(tune, name, fn)
+    weights = []
+    make = tune.make_mxfp4_weights if quant == "mxfp4" else tune.make_weights
+    monkeypatch.setattr(tune, "make_mxfp4_weights" if quant == "mxfp4" else "make_weights",
+                        lambda *a: weights.append(make(*a)) or weights[-1])
+    persistent_asked = []
+    real_ok = fe._persistent_gemm2_ok
+    monkeypatch.setattr(fe, "_persistent_gemm2_ok", lambda *a: persistent_asked.append(a) or real_ok(*a))
+    E, topk, K, N = 4, 2, 64, 64
+    monkeypatch.setattr(tune, "MODELS", {"tiny": dict(E=E, topk=topk, K=K, N=N)})
+    argv = ["--quant", quant, "--models", "tiny", "--tokens", "16", "--weight-layout", layout, "--sets", "2",
+            "--dtype", str(dtype).removeprefix("torch."), "--out", str(tmp_path)]
+    assert tune.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "REJECTED" not in out and "skipped" not in out
+    linear = layout == "linear"
+    key = table_key(E, N, K, topk, dtype, linear, linear, quant)
+    assert key.endswith(",quant=mxfp4") == (quant == "mxfp4")
+    table = json.loads((tmp_path / "Fake_GPU.json").read_text())
+    assert list(table["configs"]) == [key] and list(table["configs"][key]) == ["16"]
+    cfg = MoeConfig.from_json(table["configs"][key]["16"])
+    assert cfg.path == "sorted" and sanitize(cfg, dtype, N, K, topk, quant) == cfg
+    ((w1, w2),) = weights
+    if quant == "mxfp4":
+        assert not persistent_asked, "the persistent gemm2 is not asked about MXFP4 weights"
+        assert isinstance(w1, WeightOperand) and w1.w.stride(2) == (1 if linear else 2 * N)
+    else:
+        assert persistent_asked
+    # the tuned config computes the op on these weights
+    torch.manual_seed(1)
+    x, g, ids = tune.make_sets(E, topk, K, 16, dtype, 1)[0]
+    d1, d2, kw = tune.fused_call_args(w1, w2)
+    out = fused_experts_triton(x, d1, d2, g, ids, tune.ACTIVATION, config=cfg, **kw)
+    ref = fused_experts_torch(x, d1, d2, g, ids, tune.ACTIVATION, **kw).cpu()
+    assert_close(out, ref, tolerance(dtype, DEVICE))
+
+
+def test_mxfp4_direct_path(fake_gpu, monkeypatch):
+    """The GEMVs of the direct path on MXFP4 operands (one wide tile each, sanitized for MXFP4)."""
+    monkeypatch.setattr(tune, "direct_candidates", lambda heur: ([GemmConfig(64, 32, 4, 4)], [GemmConfig(8, 64, 4, 4)]))
+    E, topk, K, N, M = 4, 2, 64, 64, 1
+    torch.manual_seed(0)
+    w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear")
+    sets = tune.make_sets(E, topk, K, M, torch.bfloat16, 2)
+    t, cfg = tune.tune_direct(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
+    assert t == 20.0 and cfg.path == "direct" and len(fake_gpu) == 2
+    assert sanitize(cfg, torch.bfloat16, N, K, topk, "mxfp4") == cfg
+    x, g, ids = sets[0]
+    d1, d2, kw = tune.fused_call_args(w1, w2)
+    out = fused_experts_triton(x, d1, d2, g, ids, tune.ACTIVATION, config=cfg, **kw)
+    ref = fused_experts_torch(x, d1, d2, g, ids, tune.ACTIVATION, **kw).cpu()
+    assert_close(out, ref, tolerance(torch.bfloat16, DEVICE))
 
 
 @pytest.mark.cuda

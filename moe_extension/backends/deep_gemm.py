@@ -10,7 +10,7 @@ padded to ``alignment()`` rows), ``a_scale [R, K/128]`` fp32, ``b [E, N, K]`` fl
 ``b_scale [E, N/128, K/128]`` fp32, ``out [R, N]`` bf16, ``m_indices [R]`` int32 (-1: rows not computed).
 Rows of ``out`` with ``m_indices < 0`` are left as they were.
 
-``is_applicable`` is the rule under which the experts use it (DESIGN.md): tokens >= its alignment, N and
+``is_applicable`` is the rule under which the experts use it (docs/experts.md): tokens >= its alignment, N and
 K multiples of the alignment, both weights float8_e4m3fn, inputs contiguous (plus bf16 hidden states:
 DeepGEMM writes bf16). Importing this module does not import ``deep_gemm``; the first ``is_available()``
 does, and a missing or unusable package is reported with its reason, never required.

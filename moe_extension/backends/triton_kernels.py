@@ -1,7 +1,7 @@
 """``fused_experts`` through OpenAI's ``triton_kernels.matmul_ogs`` (optional; CUDA, swigluoai; bf16/fp16 weights,
 or MXFP4 weights with bf16 activations).
 
-Computes exactly the ``moe_ext::fused_experts`` contract (DESIGN.md), for ``activation="swigluoai"``:
+Computes exactly the ``moe_ext::fused_experts`` contract (docs/ops.md), for ``activation="swigluoai"``:
 
     hidden_states [M, K] bf16/fp16, w1 [E, 2N, K] (rows gate/up interleaved), w2 [E, K, N] (any strides),
     topk_weights [M, topk] fp32, topk_ids [M, topk] int32/int64, w1_bias [E, 2N] / w2_bias [E, K] fp32,

@@ -15,7 +15,7 @@ quant         w1 ; w1_scale                        w2 ; w2_scale
 ============  ===================================  =======================================
 
 Biases are fp32 ``w1_bias [E, 2N]`` and ``w2_bias [E, K]``. The ops use the nn.Linear convention
-``[E, out, in]`` (DESIGN.md); the classes hand them ``transpose(1, 2)`` views of what they hold, never
+``[E, out, in]`` (docs/ops.md); the classes hand them ``transpose(1, 2)`` views of what they hold, never
 copies. Quantized data and scales are transposed alike, so packing stays along the ops' K axis.
 """
 
@@ -88,7 +88,7 @@ def resize_workspace(buffer: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 
 def gated_activation(activation: str, out: torch.Tensor, h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """The native op of ``activation``: ``out [S, N] = act(h [S, 2N])`` (DESIGN.md, Activations); returns ``out``."""
+    """The native op of ``activation``: ``out [S, N] = act(h [S, 2N])`` (docs/ops.md, native ops); returns ``out``."""
     if activation == "swigluoai":
         torch.ops.moe_ext.swigluoai_and_mul(out, h, alpha, limit)
     elif activation == "swiglustep":

@@ -34,7 +34,7 @@ class OAITritonExperts(ExpertsBase):
         *,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(hidden_states[t])`` (DESIGN.md);
+        """``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(hidden_states[t])`` (docs/ops.md);
         written into ``output`` when given."""
         self._check_call(hidden_states, topk_weights, self._routing_shape(topk_weights, topk_ids), expert_map)
         weights = self.op_weights()

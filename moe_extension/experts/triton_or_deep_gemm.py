@@ -2,7 +2,7 @@
 
 ``apply(hidden_states [M, K], topk_weights fp32 [M, topk], topk_ids int [M, topk]) -> [M, K]`` in the dtype
 of ``hidden_states``, with weights held ``[E, in, out]`` float8_e4m3fn and fp32 scales per 128 x 128 block
-(see ``moe_extension.experts.base``); activations are quantized per token per 128 columns (DESIGN.md).
+(see ``moe_extension.experts.base``); activations are quantized per token per 128 columns (docs/formats.md).
 
 Route: DeepGEMM's m-grouped contiguous GEMM (``moe_extension.backends.deep_gemm``) when it is importable,
 the tensors are on CUDA and the case meets its rule (M >= alignment, N and K multiples of it, e4m3fn

@@ -56,7 +56,7 @@ class LoRASlots:
 def slot_experts(
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local expert of each slot (clamped into [0, E), int64) and whether the slot is valid (DESIGN.md).
+    """Local expert of each slot (clamped into [0, E), int64) and whether the slot is valid (docs/ops.md, invalid ids).
 
     Pure tensor code: no host sync, shapes from the inputs only.
     """
