@@ -685,3 +685,27 @@ def test_lora_on_gpu():
     cpu_lora = LoRAWeights(*[t.cpu() for t in vars(lora).values()])
     ref = lora_reference(cpu, cpu_lora, x.cpu(), weights.cpu(), ids.cpu(), mapping.cpu(), "swigluoai")
     assert rel_err(out.cpu(), ref) < 5e-3  # fp32 throughout: the Triton GEMMs multiply in exact fp32 ("ieee")
+
+
+@pytest.mark.parametrize("cls", [*MODULAR, OAITritonMxfp4ExpertsMonolithic], ids=lambda c: c.__name__)
+def test_mxfp4_storage_prepared_at_construction(cls):
+    """[E, in/2, out]-contiguous MXFP4 storage (vLLM's) is copied once into in-contiguous storage, held as the
+    same view; the ops then get row-major weights and the output does not change."""
+    E, N, K, M, topk = 4, 64, 128, 5, 2
+    op = make_weights(E, N, K, "mxfp4")
+    vllm = {name: op[name].transpose(1, 2).contiguous() for name in ("w1", "w2", "w1_scale", "w2_scale")}
+    experts = cls(vllm["w1"], vllm["w2"], quant="mxfp4", w1_scale=vllm["w1_scale"], w2_scale=vllm["w2_scale"],
+                  w1_bias=op["w1_bias"], w2_bias=op["w2_bias"])
+    reference = build(cls, op, "mxfp4")
+    for name in ("w1", "w2", "w1_scale", "w2_scale"):
+        held_t = getattr(experts, name)
+        assert held_t.shape == vllm[name].shape and torch.equal(held_t, vllm[name])
+        assert held_t.stride(1) == 1 and _storage(held_t) != _storage(vllm[name]), name
+        assert experts.op_weights()[name].is_contiguous(), name
+    weights, ids, _ = make_routing(M, topk, E, seed=7)
+    x = make_x(M, K, torch.bfloat16)
+    if cls is OAITritonMxfp4ExpertsMonolithic:
+        logits = torch.randn(M, E)
+        assert torch.equal(experts.apply(x, logits, topk, True), reference.apply(x, logits, topk, True))
+    else:
+        assert torch.equal(experts.apply(x, weights, ids), reference.apply(x, weights, ids))
