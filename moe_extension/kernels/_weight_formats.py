@@ -21,9 +21,10 @@ step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``) and ``fma_step`` (GEMV step: ele
 the end). A new format adds
 a branch to each, its scale arguments and its tests.
 
-``PTX`` (constexpr): decode MXFP4 with inline PTX on the GPU (``_e2m1x4_to_bf16``; sm_80+, bf16x2 FMAs); False
-decodes with plain Triton integer ops and multiplies in fp32, for Triton's interpreter, which runs no
-inline PTX and whose bf16 dot is wrong (the decoded values and their products are the same in both).
+``PTX`` (constexpr): decode MXFP4 codes with inline PTX on the GPU (``_E2M1X4_ASM``; sm_80+, bf16x2 FMAs) and
+apply the scales by a bf16 multiply; False decodes with plain Triton integer ops and multiplies in fp32, for
+Triton's interpreter, which runs no inline PTX and whose bf16 dot is wrong. The decoded values and their
+products are the same in both, subnormal scales (byte 0: 2^-127) included.
 """
 
 from __future__ import annotations
