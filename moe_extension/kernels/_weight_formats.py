@@ -18,8 +18,7 @@ Each format provides the device functions every kernel calls at the same places:
 step's pointers of a tile of weight rows), ``weight_advance`` (the next step's), ``dot_step`` (tensor-core
 step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``) and ``fma_step`` (GEMV step: elementwise products into a
 ``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at
-the end). A new format adds
-a branch to each, its scale arguments and its tests.
+the end). A new format adds a branch to each, its scale arguments and its tests.
 
 ``PTX`` (constexpr): decode MXFP4 codes with inline PTX on the GPU (``_E2M1X4_ASM``; sm_80+, bf16x2 FMAs) and
 apply the scales by a bf16 multiply; False decodes with plain Triton integer ops and multiplies in fp32, for
