@@ -7,9 +7,8 @@ decode, bf16 tensor cores, fp32 accumulation):
   on/off, expert_map with -1 entries, apply_router_weight_on_input, invalid ids, bf16 and fp16 activations, both
   weight storages (contiguous [E, 2N, K/2] and transposed views of [E, K/2, 2N]); rel err <= 1e-2 against the
   PyTorch implementation (``fused_experts_torch``, fp32 math) on the same GPU;
-- the PTX decode against ``dequantize_mxfp4`` bit for bit (every byte; scales 1..254; 255 NaN; for s = 0 exact or
-  0, the documented deviation: exact on an H100 with triton 3.6);
-- scales from 2^-20 to 2^20; a NaN scale (255) confined to its block's outputs (and, strict xfail, not yet
+- the PTX decode against ``dequantize_mxfp4`` bit for bit (every byte; every scale: 0 subnormal, 255 NaN);
+- scales from 2^-20 to 2^20; a NaN scale (255) confined to its block's outputs (and
   propagated through swigluoai's clamps on the GPU);
 - the unfused path (expert_gemm1 -> activation op -> expert_gemm2 with router weights -> slot sum) against the fused;
 - CUDA-graph capture of each entry point at M in {1, 8, 64, 512}: 12 replays with new inputs, each bitwise equal
@@ -188,17 +187,13 @@ def test_fused_experts_matrix(c):
 @cuda
 @pytest.mark.parametrize("three_d", [False, True])
 def test_ptx_decode_equals_dequantize_bitwise(three_d):
-    """The inline-PTX decode (the GEMMs' on the GPU) is dequantize_mxfp4 bit for bit for every byte under the scales
-    1 .. 254 (2^-126 .. 2^127; inf past bf16's range, as in fp32) and NaN for 255. s = 0 (2^-127): exact or 0 (the
-    documented deviation; the decode alone was exact on an H100 with triton 3.6). The portable decode (PTX=False)
-    is exact everywhere, on the GPU too."""
+    """The inline-PTX decode (the GEMMs' on the GPU) is dequantize_mxfp4 bit for bit for every byte under every scale:
+    0 (2^-127, subnormal products kept), 1 .. 254 (2^-126 .. 2^127; inf past bf16's range, as in fp32) and NaN for
+    255. The portable decode (PTX=False) is exact everywhere, on the GPU too."""
     q, s = decode_case("cuda")
     ref = dequantize_mxfp4(q, s)
-    zero_scale = s.repeat_interleave(32, dim=1) == 0
-    out = run_decode(q, s, True, three_d)
-    assert ((out[zero_scale] == ref[zero_scale]) | (out[zero_scale] == 0)).all(), "s = 0: exact or 0"
-    assert_bitwise_with_nans(out[~zero_scale], ref[~zero_scale])
-    assert {1, 127, 147, 254, 255} <= set(DECODE_SCALES)
+    assert_bitwise_with_nans(run_decode(q, s, True, three_d), ref)
+    assert {0, 1, 127, 147, 254, 255} <= set(DECODE_SCALES)
     assert_bitwise_with_nans(run_decode(q, s, False, three_d), ref)
 
 
@@ -289,9 +284,6 @@ def test_nan_scale_stays_in_its_block(M):
 
 
 @cuda
-@pytest.mark.xfail(strict=True, reason="swigluoai's clamps (tl.minimum / tl.maximum in _grouped_gemm.activate) drop "
-                   "NaN on the GPU (min/max return the other operand), so a NaN gate or up becomes +-limit; "
-                   "torch.clamp and the interpreter's numpy propagate it")
 @pytest.mark.parametrize("M", [1, 77])
 def test_nan_scale_propagates_through_swigluoai(M):
     """A NaN weight (scale 255) feeding an up row: the tokens routed to its expert are NaN with swigluoai, as in the

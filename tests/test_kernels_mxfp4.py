@@ -8,15 +8,13 @@ from 2^-20 to 2^20, and the config rules of the format.
 The contract: activations rounded to bf16 before each GEMM, fp32 accumulation. The interpreter's bf16 tl.dot is
 wrong and its fp32 -> bf16 cast truncates, so the cases use fp32 and fp16 activations (the MXFP4 path rounds
 them to bf16 itself, with integer ops). Two places where the kernels round differently from the PyTorch
-implementation, each ~1e-3 of relative error on the output:
-- the fused path stores its intermediate in the activations' dtype and gemm2 rounds it to bf16: for fp16 a double
-  rounding (fp32 -> fp16 -> bf16) where the reference rounds once (fp32 -> bf16);
-- apply_router_weight_on_input: the kernels multiply gemm1's product by g (``g * (W bf16(x)) + b``), the reference
-  rounds the product ``g x`` to bf16 (``W bf16(g x) + b``, tests/reference.py says the same).
+implementation, ~1e-3 of relative error on the output: the fused path stores its intermediate in the
+activations' dtype and gemm2 rounds it to bf16: for fp16 a double rounding (fp32 -> fp16 -> bf16) where the
+reference rounds once (fp32 -> bf16). (apply_router_weight_on_input rounds ``g x`` to bf16 as the reference does:
+``test_on_input_router_weight_is_rounded_with_x``.)
 So every case is checked tightly (1e-5 fp32, 1e-3 fp16) against the PyTorch GEMMs composed with the kernels'
-rounding points (``kernel_rounding_reference``; for fp32 without on-input weights that is fused_experts_torch
-exactly), and against fused_experts_torch itself with a tolerance that admits those two roundings (5e-3); the
-on-input rounding of the contract is pinned by a strict xfail (``test_on_input_router_weight_is_rounded_with_x``).
+rounding points (``kernel_rounding_reference``; for fp32 that is fused_experts_torch exactly), and against
+fused_experts_torch itself with a tolerance that admits that rounding (5e-3).
 
 The GPU (inline PTX decode, bf16 tensor cores) is covered by tests/test_fused_experts_mxfp4_cuda.py.
 """
@@ -203,26 +201,13 @@ def checked_config(name, dtype, N, K, topk) -> MoeConfig:
 # ------------------------------------------------------------------------------------------------- fused
 
 
-def gemm1_g_after_product(x, w1, ids, g, s1, b1, emap):
-    """expert_gemm1 with router weights g applied as the kernels apply them: ``g * (W bf16(x)) + b`` (fp32)."""
-    h = expert_gemm1_torch(x.float(), w1, ids, expert_map=emap, quant="mxfp4", w1_scale=s1)
-    local = local_ids(ids, emap, w1.shape[0])
-    valid = (local >= 0)[..., None]
-    h = h * torch.where(valid, g[..., None], 0.0)
-    return h if b1 is None else h + torch.where(valid, b1[local.clamp_min(0)], 0.0)
-
-
 def kernel_rounding_reference(x, w1, w2, g, ids, act, s1, s2, kw):
     """fused_experts from the PyTorch GEMMs (bf16-rounded inputs, fp32 math) with the kernels' rounding points:
-    the intermediate rounded to x.dtype (as the kernels store it) before gemm2 rounds it to bf16, and on-input
-    router weights applied to gemm1's product (``gemm1_g_after_product``). fp32 without on-input weights: exactly
+    the intermediate rounded to x.dtype (as the kernels store it) before gemm2 rounds it to bf16. fp32: exactly
     fused_experts_torch's math."""
     on_input, emap = kw["apply_router_weight_on_input"], kw["expert_map"]
-    if on_input:
-        h = gemm1_g_after_product(x, w1, ids, g, s1, kw["w1_bias"], emap)
-    else:
-        h = expert_gemm1_torch(x.float(), w1, ids, w1_bias=kw["w1_bias"], expert_map=emap, quant="mxfp4",
-                               w1_scale=s1)
+    h = expert_gemm1_torch(x.float(), w1, ids, w1_bias=kw["w1_bias"], expert_map=emap,
+                           topk_weights=g if on_input else None, quant="mxfp4", w1_scale=s1)
     a = activation_torch(h, act, kw["alpha"], kw["limit"]).to(x.dtype).float()
     y = expert_gemm2_torch(a, w2, ids, w2_bias=kw["w2_bias"], expert_map=emap, topk_weights=None if on_input else g,
                            quant="mxfp4", w2_scale=s2)
@@ -279,8 +264,7 @@ def test_fused_experts_matches_torch(poisoned, case):
     ref = fused_experts_torch(x, w1, w2, g, ids, act, quant="mxfp4", w1_scale=s1, w2_scale=s2, **kw)
     tol = FP32_TOL if dtype == torch.float32 else FP16_TOL
     assert rel_err(out, kernel_rounding_reference(x, w1, w2, g, ids, act, s1, s2, kw)) <= tol
-    same_rounding = dtype == torch.float32 and not kw["apply_router_weight_on_input"]
-    assert rel_err(out, ref) <= (FP32_TOL if same_rounding else ROUNDING_POINTS_TOL)
+    assert rel_err(out, ref) <= (FP32_TOL if dtype == torch.float32 else ROUNDING_POINTS_TOL)
 
 
 @interpreted
@@ -321,11 +305,7 @@ def test_expert_gemms_match_torch(name, on_input, dtype, transposed):
     ref_h = expert_gemm1_torch(x, w1, ids, w1_bias=b1, expert_map=emap, topk_weights=g1, quant="mxfp4",
                                w1_scale=s1)
     assert h.shape == (M, topk, 2 * N) and h.dtype == dtype
-    if on_input:  # the kernels' rounding point (module docstring); the contract's: the strict xfail below
-        assert rel_err(h, gemm1_g_after_product(x, w1, ids, g, s1, b1, emap).to(dtype)) <= tol
-        assert rel_err(h, ref_h) <= ROUNDING_POINTS_TOL
-    else:
-        assert rel_err(h, ref_h) <= tol
+    assert rel_err(h, ref_h) <= tol
     invalid = ~valid_slots(ids, emap, E)
     assert invalid.any() and (h[invalid] == 0).all(), "invalid slots give rows of exactly 0"
     g2 = None if on_input else g
@@ -342,8 +322,6 @@ def test_expert_gemms_match_torch(name, on_input, dtype, transposed):
 
 
 @interpreted
-@pytest.mark.xfail(strict=True, reason="the kernels apply on-input router weights to gemm1's product, g * (W "
-                   "bf16(x)), not to its input as the contract rounds it, W bf16(g x): ~1e-3 relative error")
 @pytest.mark.parametrize("name", ["sorted", "direct"])
 def test_on_input_router_weight_is_rounded_with_x(name):
     """apply_router_weight_on_input with MXFP4: the GEMM input is bf16(g x) (the fp32 product rounded), as

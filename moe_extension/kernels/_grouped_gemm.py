@@ -75,6 +75,13 @@ def _tanh(x):
 
 
 @triton.jit
+def _clamp(x, limit):
+    """clamp(x, -limit, limit) that keeps NaN (like torch.clamp; the default min / max return the number)."""
+    return tl.minimum(tl.maximum(x, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def activate(gate, up, alpha, limit, ACT: tl.constexpr):
     """fp32 gated activation of matching gate/up tiles."""
     if ACT == 1:
@@ -85,12 +92,12 @@ def activate(gate, up, alpha, limit, ACT: tl.constexpr):
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         out = 0.5 * gate * (1.0 + _tanh(inner)) * up
     elif ACT == 4:
-        g = tl.minimum(gate, limit)
-        u = tl.minimum(tl.maximum(up, -limit), limit)
+        g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = _clamp(up, limit)
         out = g * _sigmoid(alpha * g) * (u + 1.0)
     else:
-        s = tl.minimum(gate * _sigmoid(gate), limit)
-        out = s * tl.minimum(tl.maximum(up, -limit), limit)
+        s = tl.minimum(gate * _sigmoid(gate), limit, propagate_nan=tl.PropagateNan.ALL)
+        out = s * _clamp(up, limit)
     return out
 
 
@@ -134,8 +141,11 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
                  stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
                  ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr):
-    """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``)."""
+                 W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
+                 G_ON_A: tl.constexpr):
+    """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``).
+    G_ON_A: the router weights (apply_router_weight_on_input) scale the A rows, for weight formats whose GEMM
+    rounds its input (MXFP4: bf16(g x)); otherwise they scale the product (W (g x) = g (W x))."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -163,6 +173,9 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
     e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn, e64 * stride_se + wr64 * stride_sn,
                                  0, stride_wk, stride_sk, BLOCK_K, WFMT, True)
+    # apply_router_weight_on_input: g of each row (1 when off).
+    g = tl.load(gw_ptr + token.to(tl.int64) * stride_gm + (pair - token * topk) * stride_gk,
+                mask=pair < tl.where(router_on_input != 0, P, 0), other=1.0).to(tl.float32)
     acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
@@ -173,6 +186,8 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if G_ON_A:
+            a = a.to(tl.float32) * g[:, None]
         if W_DESC:
             if ACT == 0:
                 w = w_desc.load([expert, n0, kk * BLOCK_K])
@@ -186,10 +201,8 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
         a_ptrs += BLOCK_K * stride_xk
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
 
-    # apply_router_weight_on_input: W (g x) + b = g (W x) + b; g = 1 when off.
-    g = tl.load(gw_ptr + token.to(tl.int64) * stride_gm + (pair - token * topk) * stride_gk,
-                mask=pair < tl.where(router_on_input != 0, P, 0), other=1.0).to(tl.float32)
-    acc = acc * g[:, None]
+    if not G_ON_A:
+        acc = acc * g[:, None]  # W (g x) + b = g (W x) + b
     b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)  # above every row index when on, 0 when off
     acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
                    other=0.0).to(tl.float32)[None, :]
@@ -229,7 +242,7 @@ def gemm1_sorted_kernel(
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr,
-    SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
+    SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -263,7 +276,8 @@ def gemm1_sorted_kernel(
                      pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_be, stride_bn, stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
+                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
+                     G_ON_A)
         if OUT_SORTED and ZERO_PAD:  # the block's rows past the tail tile: 0
             r = tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -275,7 +289,8 @@ def gemm1_sorted_kernel(
                      pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_be, stride_bn, stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
-                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
+                     ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
+                     G_ON_A)
     if SIGNAL:
         # Every thread's stores come before one gpu-scope release increment of the expert's counter.
         tl.debug_barrier()
@@ -472,9 +487,10 @@ def gemv1_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr,
 ):
-    """Per pair p = program_id(1): out[p, n0:n0+BLOCK_N] as in gemm1 (rows of invalid pairs untouched).
+    """Per pair p = program_id(1): out[p, n0:n0+BLOCK_N] as in gemm1 (rows of invalid pairs untouched; G_ON_A as
+    in ``_gemm1_block``).
 
     The weight tile is [rows, BLOCK_K]; products accumulate elementwise in a 2-D fp32 tile that is reduced
     over k once at the end (no cross-thread reduction inside the loop).
@@ -506,11 +522,15 @@ def gemv1_kernel(
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows, s_rows, 0, stride_wk, stride_sk, BLOCK_K, WFMT, False)
     u_ptrs, us_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows + N_HALF * stride_wn, s_rows + N_HALF * stride_sn, 0,
                                   stride_wk, stride_sk, BLOCK_K, WFMT, False)
+    g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk, mask=router_on_input != 0,
+                other=1.0).to(tl.float32)
     for kk in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
         if EVEN_K:
             x = tl.load(x_ptrs)
         else:
             x = tl.load(x_ptrs, mask=offs_k < K - kk * BLOCK_K, other=0.0)
+        if G_ON_A:
+            x = x.to(tl.float32) * g
         acc = fma_step(acc, x, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX)
         if ACT != 0 and ACT != 4:
             acc_u = fma_step(acc_u, x, u_ptrs, us_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX)
@@ -518,8 +538,8 @@ def gemv1_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
 
-    g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk, mask=router_on_input != 0,
-                other=1.0).to(tl.float32)
+    if G_ON_A:
+        g = 1.0
     h = tl.sum(acc, axis=1) * g
     b_base = bias_ptr + expert.to(tl.int64) * stride_be
     b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)

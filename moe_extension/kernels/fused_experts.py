@@ -162,6 +162,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
         DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
+        G_ON_A=weights is not None and not w1.dense,
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -272,7 +273,8 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
         out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
         _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
         ACT=act, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-        WFMT=w1.fmt, PTX=_ptx(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WFMT=w1.fmt, PTX=_ptx(x.device), G_ON_A=weights is not None and not w1.dense, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
