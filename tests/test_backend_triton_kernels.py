@@ -25,7 +25,7 @@ from tests.reference import (
     random_routing,
     tolerance,
 )
-from tests.utils import INTERPRETED, rel_err
+from tests.utils import INTERPRETED, assert_graph_replays_match_eager, rel_err
 
 needs_triton_kernels = pytest.mark.skipif(
     not tk_backend.is_available(), reason=f"triton_kernels backend unusable here: {tk_backend.unavailable_reason()}"
@@ -101,31 +101,14 @@ def test_cuda_graph_replays_equal_eager_without_host_sync():
     args, kwargs, _ = _case(m, e, topk, k, n, {"bias": True})
     x, w1, w2, weights, ids = args
 
-    def run():
-        return tk_backend.fused_experts(x, w1, w2, weights, ids, "swigluoai", **kwargs)
+    def call(inputs):
+        return tk_backend.fused_experts(inputs[0], w1, w2, inputs[1], inputs[2], "swigluoai", **kwargs)
 
-    run()  # compiles outside the checks
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    for _ in range(4):
+    def fresh():
         new_weights, new_ids = random_routing(m, e, topk, device="cuda")
-        x.copy_(torch.randn(m, k, device="cuda"))
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        graph.replay()
-        assert torch.equal(captured, run())
+        return torch.randn(m, k, device="cuda", dtype=x.dtype), new_weights, new_ids.to(ids.dtype)
+
+    assert_graph_replays_match_eager(call, (x, weights, ids), fresh, replays=4)
 
 
 # The pack kernel runs on CPU tensors only in Triton's interpreter (no CUDA), else on CUDA.
@@ -323,31 +306,15 @@ def test_mxfp4_cuda_graph_replays_equal_eager_without_host_sync():
     x, w1, w2, weights, ids = args
     w1p, w2p = tk_backend.prepare_mxfp4(w1, s1), tk_backend.prepare_mxfp4(w2, s2)
 
-    def run():
-        return tk_backend.fused_experts(x, w1p, w2p, weights, ids, "swigluoai", quant="mxfp4", **kwargs)
+    def call(inputs):
+        return tk_backend.fused_experts(inputs[0], w1p, w2p, inputs[1], inputs[2], "swigluoai", quant="mxfp4",
+                                        **kwargs)
 
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    for _ in range(3):
+    def fresh():
         new_weights, new_ids = random_routing(m, e, topk, device="cuda")
-        x.copy_(torch.randn(m, k, device="cuda"))
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        graph.replay()
-        assert torch.equal(captured, run())
+        return torch.randn(m, k, device="cuda", dtype=x.dtype), new_weights, new_ids.to(ids.dtype)
+
+    assert_graph_replays_match_eager(call, (x, weights, ids), fresh, replays=3)
 
 
 # The layouts are plain torch code: with triton_kernels importable they run on CPU tensors too. This checks our

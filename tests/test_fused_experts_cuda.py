@@ -25,7 +25,7 @@ import torch
 import moe_extension.kernels.fused_experts as fe
 from moe_extension.ops import fused_experts_torch
 from tests.reference import fused_experts_reference, random_expert_map
-from tests.utils import rel_err
+from tests.utils import assert_graph_replays_match_eager, rel_err
 
 cuda = pytest.mark.cuda
 
@@ -232,30 +232,7 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
         return torch.ops.moe_ext.fused_experts(x, w1, w2, g, ids, "swigluoai", w1_bias=b1, w2_bias=b2,
                                                expert_map=emap)
 
-    static = _graph_inputs(M, gen, op)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compiles the kernels outside the capture
-            call(static)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call(static)  # raises if anything in the op synchronizes with the host
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = call(static)
-    for _ in range(12):
-        fresh = _graph_inputs(M, gen, op)
-        for buf, new in zip(static, fresh):
-            buf.copy_(new)
-        graph.replay()
-        expected = call(fresh)
-        torch.cuda.synchronize()
-        assert torch.equal(static_out, expected), "replay must equal eager bitwise"
+    assert_graph_replays_match_eager(call, _graph_inputs(M, gen, op), lambda: _graph_inputs(M, gen, op))
     if persistent:
         assert launches, "the persistent gemm2 ran"
         assert all(pdl == (persistent == "pdl") for pdl in launches), "launched with PDL only when asked"

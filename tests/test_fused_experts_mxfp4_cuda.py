@@ -32,8 +32,9 @@ from moe_extension.ops.activations import (gelu_and_mul, gelu_tanh_and_mul, silu
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
 from moe_extension.quant import dequantize_mxfp4
 from tests.reference import random_expert_map
+from tests.test_fused_experts_cuda import _routing
 from tests.test_kernels_mxfp4 import DECODE_SCALES, assert_bitwise_with_nans, decode_case, run_decode
-from tests.utils import rel_err
+from tests.utils import assert_graph_replays_match_eager, rel_err
 
 cuda = pytest.mark.cuda
 
@@ -124,17 +125,6 @@ def _experts(E, K, N, gen, *, bias=False, transposed=False, scales=None):
     b1 = torch.randn(E, 2 * N, device="cuda", generator=gen) * 0.5 if bias else None
     b2 = torch.randn(E, K, device="cuda", generator=gen) * 0.5 if bias else None
     return w1, s1, w2, s2, b1, b2
-
-
-def _routing(M, E_ids, topk, invalid, gen):
-    """Each token picks topk distinct ids; with ``invalid`` about 15% become -1 / E_ids / 2^31 - 1."""
-    scores = torch.rand(M, E_ids, device="cuda", generator=gen)
-    g, ids = scores.topk(topk, dim=1)
-    if invalid:
-        bad = torch.tensor([-1, E_ids, 2**31 - 1], device="cuda")[torch.randint(0, 3, (M, topk), device="cuda",
-                                                                                generator=gen)]
-        ids = torch.where(torch.rand(M, topk, device="cuda", generator=gen) < 0.15, bad, ids)
-    return (g / g.sum(1, keepdim=True)).float(), ids.to(torch.int32)
 
 
 def _local(ids, emap, E):
@@ -384,31 +374,7 @@ def test_cuda_graph_replays_match_eager(op, M):
         return torch.ops.moe_ext.expert_gemm2(a, w2, ids, w2_bias=b2, expert_map=emap, topk_weights=g, w2_scale=s2,
                                               **mx)
 
-    static = _graph_inputs(M, gen, op)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compiles the kernels outside the capture
-            call(static)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call(static)  # raises if anything in the op synchronizes with the host
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = call(static)
-    for _ in range(12):
-        fresh = _graph_inputs(M, gen, op)
-        for buf, new in zip(static, fresh):
-            buf.copy_(new)
-        graph.replay()
-        expected = call(fresh)
-        torch.cuda.synchronize()
-        assert static_out.isfinite().all()
-        assert torch.equal(static_out, expected), "replay must equal eager bitwise"
+    assert_graph_replays_match_eager(call, _graph_inputs(M, gen, op), lambda: _graph_inputs(M, gen, op), finite=True)
 
 
 # ------------------------------------------------------------------------------------------------- determinism, compile
