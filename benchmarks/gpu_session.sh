@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build from source, run the test suite, run the benchmarks; logs and result
 # files go to $OUT (default ./gpu_out). The GPU machine is bare each time and has no internet: carry
-# `.whl` (expecttest, from ../shared/tools/get_peers.sh whl) and `.deps` (get_peers.sh tk) with the run.
+# `.whl` (an expecttest wheel) and `.deps` (triton_kernels; docs/benchmarks.md says how to get both) with the run.
 #   usage: bash benchmarks/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [main] [native] [experts] [tune] ...
 # Steps run in the order given; "all" = build tests main native experts. Each step stops after
 # STEP_TIMEOUT seconds (default 300). On 8 workers (pytest-xdist from .whl):

@@ -1,4 +1,4 @@
-"""Independent fp64 references for the routed-expert ops, written from DESIGN.md "Semantics" as a plain loop
+"""Independent fp64 references for the routed-expert ops, written from the semantics in docs/ops.md as a plain loop
 over tokens and slots (no grouping, nothing shared with the implementation under test).
 
 - ``topk_softmax_reference(gating_output, topk, renormalize=False)`` -> ``(weights fp64 [M, topk],

@@ -14,7 +14,7 @@ GPU_DEVICES = [d for d in DEVICES if d == "cuda" or INTERPRETED]
 
 
 def _local_experts(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """Local expert of every pair (flattened), -1 for invalid slots (DESIGN.md "Semantics")."""
+    """Local expert of every pair (flattened), -1 for invalid slots (docs/ops.md, semantics)."""
     flat = ids.reshape(-1).long().cpu()
     if expert_map is not None:
         emap = expert_map.long().cpu()

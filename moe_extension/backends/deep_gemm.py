@@ -106,8 +106,8 @@ def m_grouped_fp8_gemm(
     dg, reason = _load()
     if reason is not None:
         raise RuntimeError(
-            f"{_NAME}: DeepGEMM is not available: {reason}. It is optional (see ../shared/tools/get_peers.sh "
-            "for the copy vendored in the vllm wheel); the experts fall back to fused_experts(quant='fp8_block')."
+            f"{_NAME}: DeepGEMM is not available: {reason}. It is optional (docs/benchmarks.md "
+            "says how to put the copy vendored in the vllm wheel on PYTHONPATH); the experts fall back to fused_experts(quant='fp8_block')."
         )
     if dg.legacy:
         dg.gemm((a, a_scale), (b, b_scale), out, m_indices)
