@@ -34,7 +34,6 @@ import triton.language as tl
 WFMT_DENSE = 0
 WFMT_MXFP4 = 1
 WEIGHT_FORMATS = {"none": WFMT_DENSE, "mxfp4": WFMT_MXFP4}
-MXFP4_GROUP = 32
 
 
 @triton.jit
