@@ -211,8 +211,10 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if quant == "mxfp4":
         # NOTE: MXFP4 decodes every weight tile in registers, so its steps are short (64 columns: 32 bytes
         # per weight row) and small blocks run on few warps. H100, gpt-oss-120b, gemm1 / gemm2 alone, fastest
-        # of 4-8 tiles: M = 64 (block_m 16) 64x64 on 2 warps 640 us (4 warps 678), gemm2 128x64 on 4 warps
-        # 363 us; M = 4096 (block_m 128) 128x64 on 8 warps 2449 us, gemm2 256x64 on 8 warps 1349 us.
+        # of the tuner's MXFP4 tiles: M = 64 (block_m 16) 64x64 on 2 warps 640 us (4 warps 678), gemm2 128x64
+        # on 4 warps 363 us; M = 4096 (block_m 128) 128x64 on 8 warps 2449 us, gemm2 256x64 on 8 warps 1349 us
+        # (``python benchmarks/tune_fused_experts.py --quant mxfp4 --models gpt-oss-120b --tokens 64 4096``
+        # times these tiles among its candidates).
         small = block_m <= 32
         g1 = dataclasses.replace(g1, block_n=128 if block_m == 128 else 64, block_k=64,
                                  num_warps=2 if small else 4 if block_m == 64 else 8,

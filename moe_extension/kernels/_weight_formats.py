@@ -99,10 +99,8 @@ def _mxfp4_decode_2d(q, s, PTX: tl.constexpr):
     C: tl.constexpr = q.shape[1]
     G: tl.constexpr = C // 16
     if PTX:
-        # NOTE: two single-output decodes (each PTX block one input, one output) and the scale applied by
-        # a bf16 multiply outside them: Triton then decodes straight into the layout of wgmma's register
-        # operand; one block with two outputs, or with the scale as an input, made it store the decoded
-        # tiles to shared memory and load them back (two-byte stores; sm_90 SASS from triton 3.6).
+        # Two single-output decodes (each PTX block one input, one output) and the scale applied by a bf16
+        # multiply outside them: Triton then decodes straight into the dot operand's register layout.
         sb = _e8m0_bits(s).to(tl.bfloat16, bitcast=True)
         sb = tl.broadcast_to(tl.reshape(sb, (R, G, 1)), (R, G, 16)).reshape(R, C)
         lo = _e2m1x4_lo_to_bf16(q) * sb
@@ -220,11 +218,8 @@ def dot_step(acc, a, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
     ``weight_ptrs``); ``k_left`` columns remain from this step's first one (past them W reads as 0).
 
     MXFP4: two dots, the activations' even columns with the decoded low nibbles and the odd columns with the
-    high nibbles.
-    NOTE: H100, gpt-oss-120b (E 128, K = N = 2880), gemm1 / gemm2 alone (eager), the fastest of 4 tiles each:
-    these two dots 640 / 363 us at M = 64 (block_m 16) and 2449 / 1349 us at M = 4096 (block_m 128); one dot
-    over the joined (interleaved) tile 855 / 460 and 3112 / 1676 us; the transposed product W @ a^T (the
-    decoded weights as wgmma's register operand) 677 / 359 and 3062 / 1654 us."""
+    high nibbles: each decoded tile stays in the register layout it was decoded in (no interleaving shuffle).
+    """
     if WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         a_ev, a_od = _even_odd(_as_bf16(a, PTX))
