@@ -141,22 +141,13 @@ def make_mxfp4_weights(torch, e: int, k: int, n: int, layout: str, with_bf16: bo
     dequantized to bf16 (exact: an e2m1 value times a power of two fits bf16). ``layout`` as in make_weights,
     applied to every tensor of a stack.
     """
-    from moe_extension.quant import dequantize_mxfp4, quantize_mxfp4
+    import harness
 
     def as_layout(t):
         return t if layout == "linear" or t is None else t.transpose(1, 2).contiguous().transpose(1, 2)
 
     def stack(rows: int, cols: int):
-        packed = torch.empty((e, rows, cols // 2), dtype=torch.uint8, device=DEVICE)
-        scales = torch.empty((e, rows, cols // 32), dtype=torch.uint8, device=DEVICE)
-        dense = torch.empty((e, rows, cols), dtype=torch.bfloat16, device=DEVICE) if with_bf16 else None
-        for lo in range(0, e, MXFP4_QUANTIZE_CHUNK):
-            hi = min(e, lo + MXFP4_QUANTIZE_CHUNK)
-            w = torch.randn((hi - lo, rows, cols), device=DEVICE).mul_(1.0 / math.sqrt(cols))
-            packed[lo:hi], scales[lo:hi] = quantize_mxfp4(w)
-            del w
-            if dense is not None:
-                dense[lo:hi] = dequantize_mxfp4(packed[lo:hi], scales[lo:hi]).to(torch.bfloat16)
+        packed, scales, dense = harness.random_mxfp4_stack(e, rows, cols, DEVICE, MXFP4_QUANTIZE_CHUNK, with_bf16)
         return as_layout(packed), as_layout(scales), as_layout(dense)
 
     out = {}

@@ -6,6 +6,7 @@
   CUDA graph that holds ``reps`` calls of it (launch gaps shrink to what a captured decode loop sees).
 - ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
 - ``device_info()``: the device/torch/triton fields every results file carries at its top level.
+- ``random_mxfp4_stack(e, rows, cols, device)``: random MXFP4 expert weights, quantized a few experts at a time.
 
 CUDA only: every benchmark here is meant for the GPU machine.
 """
@@ -114,3 +115,25 @@ def gpu_slug() -> str:
         if tag in name:
             return tag
     return name.replace("nvidia", "").strip().split()[0]
+
+
+def random_mxfp4_stack(e: int, rows: int, cols: int, device, chunk: int = 8, with_bf16: bool = False):
+    """``(packed uint8 [e, rows, cols/2], scales uint8 [e, rows, cols/32], bf16 [e, rows, cols] or None)``: random
+    normal / sqrt(cols) weights quantized by ``quantize_mxfp4`` on ``device``, ``chunk`` experts at a time (fp32
+    temporaries of ~0.5 GB per 8 gpt-oss W1s), and with ``with_bf16`` the same weights dequantized to bf16
+    (exact: an e2m1 value times a power of two fits bf16)."""
+    import math
+
+    from moe_extension.quant import dequantize_mxfp4, quantize_mxfp4
+
+    packed = torch.empty((e, rows, cols // 2), dtype=torch.uint8, device=device)
+    scales = torch.empty((e, rows, cols // 32), dtype=torch.uint8, device=device)
+    dense = torch.empty((e, rows, cols), dtype=torch.bfloat16, device=device) if with_bf16 else None
+    for lo in range(0, e, chunk):
+        hi = min(e, lo + chunk)
+        w = torch.randn((hi - lo, rows, cols), device=device).mul_(1.0 / math.sqrt(cols))
+        packed[lo:hi], scales[lo:hi] = quantize_mxfp4(w)
+        del w
+        if dense is not None:
+            dense[lo:hi] = dequantize_mxfp4(packed[lo:hi], scales[lo:hi]).to(torch.bfloat16)
+    return packed, scales, dense

@@ -60,7 +60,6 @@ DEFAULT_MODELS = {
     "none": ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"),
     "mxfp4": ("gpt-oss-120b", "gpt-oss-20b"),
 }
-MXFP4_GROUP = 32  # values per E8M0 scale: K and N must be multiples of it
 MXFP4_QUANTIZE_CHUNK = 8  # experts quantized at a time (fp32 temporaries of ~0.5 GB per 8 gpt-oss W1s)
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 ACTIVATION = "swigluoai"
@@ -91,9 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.models is None:
         args.models = list(DEFAULT_MODELS[args.quant])
     if args.quant == "mxfp4":
-        odd = [s for s in args.shape if s[2] % MXFP4_GROUP or s[3] % MXFP4_GROUP]
+        from moe_extension.quant import MXFP4_BLOCK
+
+        odd = [s for s in args.shape if s[2] % MXFP4_BLOCK or s[3] % MXFP4_BLOCK]
         if odd:
-            p.error(f"--quant mxfp4 needs K and N multiples of {MXFP4_GROUP}; --shape {odd}")
+            p.error(f"--quant mxfp4 needs K and N multiples of {MXFP4_BLOCK}; --shape {odd}")
     return args
 
 
@@ -284,22 +285,15 @@ def make_mxfp4_weights(E, K, N, layout):
     on the GPU (``quantize_mxfp4``, MXFP4_QUANTIZE_CHUNK experts at a time): w1 packed ``[E, 2N, K/2]`` +
     scales ``[E, 2N, K/32]``, w2 ``[E, K, N/2]`` + ``[E, K, N/32]``; contiguous ('linear') or transposed views
     of ``[E, K/2, 2N]`` / ``[E, K/32, 2N]`` (w2: ``[E, N/2, K]`` / ``[E, N/32, K]``) storage ('transposed')."""
+    import harness
     from moe_extension.kernels._weight_formats import WeightOperand
-    from moe_extension.quant import quantize_mxfp4
 
-    def buffer(rows, cols):
-        if layout == "linear":
-            return torch.empty((E, rows, cols), dtype=torch.uint8, device=DEVICE)
-        return torch.empty((E, cols, rows), dtype=torch.uint8, device=DEVICE).transpose(1, 2)
+    def as_layout(t):
+        return t if layout == "linear" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
     def stack(rows, cols):
-        packed, scales = buffer(rows, cols // 2), buffer(rows, cols // MXFP4_GROUP)
-        for lo in range(0, E, MXFP4_QUANTIZE_CHUNK):
-            hi = min(E, lo + MXFP4_QUANTIZE_CHUNK)
-            w = torch.randn((hi - lo, rows, cols), device=DEVICE).mul_(1.0 / math.sqrt(cols))
-            packed[lo:hi], scales[lo:hi] = quantize_mxfp4(w)
-            del w
-        return WeightOperand(packed, scales, "mxfp4")
+        packed, scales, _ = harness.random_mxfp4_stack(E, rows, cols, DEVICE, MXFP4_QUANTIZE_CHUNK)
+        return WeightOperand(as_layout(packed), as_layout(scales), "mxfp4")
 
     w1, w2 = stack(2 * N, K), stack(K, N)
     torch.cuda.empty_cache()

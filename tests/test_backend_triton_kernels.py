@@ -458,7 +458,8 @@ def test_prepare_mxfp4_argument_errors():
         tk_backend.prepare_mxfp4(w1.float(), s1)
     with pytest.raises(ValueError, match=r"prepare_mxfp4: raw uint8 w needs w_scale"):
         tk_backend.prepare_mxfp4(w1, None)
-    with pytest.raises(ValueError, match=r"prepare_mxfp4: w_scale must be uint8 E8M0 \[E, out, in/32\] = \[4, 128, 2\]"):
+    message = r"prepare_mxfp4: w_scale must be uint8 E8M0 \[E, out, in/32\] = \[4, 128, 2\]"
+    with pytest.raises(ValueError, match=message):
         tk_backend.prepare_mxfp4(w1, s1.transpose(1, 2))
 
 

@@ -43,7 +43,7 @@ def ragged_rows_desc(t: torch.Tensor, block_rows: int, block_cols: int) -> Tenso
     Row ``start + r`` sits at the 4-D coordinates (2^30, start + count, 2^30 - count + r, c) with strides
     (2^34 - s, s, s, 1) (s = row stride, in elements): modulo 2^64 the offset is (start + r) s, since
     2^30 (2^34 - s) = 2^64 - 2^30 s. TMA bounds each coordinate by its dim, and dim 2 holds 2^30 rows, so
-    r >= count falls outside. Needs rows < 2^30 and 16-byte aligned rows (``_tma_layout_ok``)."""
+    r >= count falls outside. Needs rows < 2^30 and 16-byte aligned rows (``_launch.tma_layout_ok``)."""
     s = t.stride(0)
     return TensorDescriptor(t, [_OUTER, _OUTER, RAGGED_ROWS, t.shape[1]], [(1 << 34) - s, s, s, 1],
                             [1, 1, block_rows, block_cols])

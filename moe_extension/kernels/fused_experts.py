@@ -55,8 +55,6 @@ from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._weight_formats import WeightOperand
 
 
-
-
 def _dot_precision(dtype: torch.dtype, w: WeightOperand | None = None) -> str:
     # NOTE: fp32 inputs use exact fp32 products (tf32 would cost ~1e-3 relative error); bf16/fp16 ignore it.
     # MXFP4 multiplies bf16 values: on the GPU as bf16, in the interpreter held in fp32 (exact products).
@@ -86,7 +84,7 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
 
 def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig, halves: bool = False) -> TensorDescriptor | None:
     """TMA descriptor of w [E, out, in] with block [1, rows, block_k] when cfg asks for it and the device
-    (sm_90+) and layout (``_tma_layout_ok``, rows within 256) allow it; None selects the pointer loads.
+    (sm_90+) and layout (``_launch.tma_layout_ok``, rows within 256) allow it; None selects the pointer loads.
     ``halves``: w [E, 2N, in] viewed as [E, 2, N, in], block [1, 2, rows, block_k]: gate rows n.. stacked
     on up rows N + n.. in one load."""
     if not (cfg.tma_weights and tma_capable(w.device) and tma_layout_ok(w, cfg.block_k)) or rows > 256:
@@ -101,7 +99,7 @@ def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig, halves: bool = Fal
 def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
     """TMA descriptors of the sorted intermediate a [rows, N] with blocks [block_m, block_k] and
     [tail_m, block_k] (None when tail_m = 0), or (None, None) for pointer loads: when cfg does not ask
-    for it or the device (sm_90+) or layout (``_tma_layout_ok``) does not allow it."""
+    for it or the device (sm_90+) or layout (``_launch.tma_layout_ok``) does not allow it."""
     if not (cfg.tma_a and tma_capable(a.device) and tma_layout_ok(a, cfg.block_k)):
         return None, None
 
@@ -212,7 +210,7 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
 
 def _persistent_gemm2_ok(a: torch.Tensor, w2: torch.Tensor, cfg: GemmConfig) -> bool:
     """Whether the persistent gemm2 can run on the sorted ``a``: asked for, one split, sm_90+, TMA layouts
-    (``_tma_layout_ok``) for a, w2 and its output rows (contiguous [rows, K] in a's dtype), tiles within TMA's
+    (``_launch.tma_layout_ok``) for a, w2 and its output rows (contiguous [rows, K] in a's dtype), tiles within TMA's
     256-element box, and rows within the ragged descriptors' 2^30."""
     K = w2.shape[1]
     return (cfg.persistent and cfg.split_k == 1 and cfg.block_n <= 256 and tma_capable(a.device)
