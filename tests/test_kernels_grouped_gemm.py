@@ -161,7 +161,7 @@ def test_tma_weights_equal_pointer_loads(monkeypatch, cfg, act, K, N):
     assert fe._sorted_rows_descs(a_sorted, 16, base.gemm2) == (None, None)
     routing = route(ids, 5, tma.block_m)
     assert fe._gathered_rows_descs(x, routing, 3, tma.gemm1)[0] is not None
-    assert fe._gathered_rows_descs(x, routing, 3, base.gemm1) == (None, None, None)
+    assert fe._gathered_rows_descs(x, routing, 3, base.gemm1) == (None,) * 4
     if act == "none":
         ref = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=base)
         out = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=tma)
@@ -249,8 +249,8 @@ def test_gemm1_padding_rows(monkeypatch, tail_m, tma, zero_padding):
     r = route(ids, E, bm)
     h = poison(torch.empty(r.max_blocks * bm, N, dtype=dtype, device=DEVICE))
     monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
-    copy = fe._gemm1_sorted(x, ex["w1"], ex["w1_bias"], h, True, r, 1, ACTIVATION_CODES["swigluoai"], None,
-                            1.702, 7.0, tile, zero_padding=zero_padding)
+    copy, _ = fe._gemm1_sorted(x, ex["w1"], ex["w1_bias"], h, True, r, 1, ACTIVATION_CODES["swigluoai"], None,
+                               1.702, 7.0, tile, zero_padding=zero_padding)
     monkeypatch.undo()
     used = (r.block_expert >= 0).repeat_interleave(bm)
     valid = used & (r.sorted_pairs < ids.numel())

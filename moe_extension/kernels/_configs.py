@@ -44,6 +44,11 @@ SMEM_BUDGET = 200 * 1024
 # NOTE: the persistent gemm2 also holds its [block_m, block_n] output tile in shared memory for the TMA
 # store: 3 stages of 128 x (128 + 256) x 64 bf16 plus the 128 x 256 tile compiled to 213,528 B on the H100.
 PERSISTENT_SMEM_BUDGET = 216 * 1024
+# NOTE: fp8 block adds each 128-column block's product to the accumulator after scaling it, so a tile holds two
+# fp32 [block_m, weight rows] tiles in registers. Triton 3.6 for sm_90 (SASS of the compiled kernels, E4M3
+# wgmma): gemm1 64 x (2 x 128) on 8 warps 254 registers, gemm2 64 x 128 on 4 warps 239, no spills; 128-row
+# tiles spill (gemm2 128 x 128 on 8 warps: 312 B of stack per thread).
+FP8_MAX_BLOCK_M = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +184,14 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if use_direct(M, E, topk):
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
-        return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
-                                 tile=8192 if quant == "mxfp4" else None)
+        cfg = _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
+                                tile=8192 if quant in ("mxfp4", "fp8_block") else None)
+        if quant == "fp8_block" and w1_row:
+            # NOTE: 1-byte rows: 512-column steps (512 B per row, as a bf16 row of 256), DeepSeek-V3 layer at M = 1
+            # on the H100: 196 -> 184 us (16 x 256 -> 16 x 512 gemv1 tiles; bench_fused_experts_fp8.py --tokens 1).
+            cfg = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, block_k=min(512, max(
+                128, triton_next_pow2(K)))))
+        return cfg
     rows = P / max(expected_hit_experts(P, E), 1.0)
     # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
     # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
@@ -222,6 +233,21 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         g2 = dataclasses.replace(g2, block_n=128 if block_m < 128 else 256, block_k=64,
                                  num_warps=4 if block_m < 128 else 8, num_stages=4 if block_m < 128 else 3,
                                  tma_weights=False)
+    if quant == "fp8_block":
+        # fp8 block: one 128-column scale block per step (block_k 128, fixed) and 128 output columns, so that
+        # gemm1's epilogue quantizes whole 128-column groups of its output; weight tiles by TMA; rows per block
+        # at most FP8_MAX_BLOCK_M (see there).
+        # NOTE: gemm1 in expert-major order (group_m 0) against L2 super-groups of 8: DeepSeek-V3 layer (E 256,
+        # topk 8, K 7168, N 2048) on the H100, fused_experts 4487 -> 4362 us at M = 1024, 11891 -> 11655 us at
+        # M = 8192, 3401 -> 3394 at M = 64 (``python benchmarks/bench_fused_experts_fp8.py --skip-peers``).
+        block_m = min(block_m, FP8_MAX_BLOCK_M)
+        g1 = dataclasses.replace(g1, block_n=128, block_k=128, num_warps=8 if block_m == 64 else 4, num_stages=3,
+                                 group_m=0, tma_weights=True, tma_a=False, tail_m=block_m // 4 if block_m >= 64 else 0)
+        # NOTE: TMA loads of gemm2's quantized intermediate at block_m 64: 12069 -> 11785 us at M = 8192 and
+        # 6700 -> 6563 at M = 4096 (block_m 32 at M = 1024: 4336 -> 4340). gemm1's sorted quantized copy for TMA
+        # (tma_a) was slower: 12069 -> 12497 at M = 8192, 4336 -> 4418 at M = 1024 (same layer and command).
+        g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=4, num_stages=4, tma_weights=True,
+                                 tma_a=block_m >= 64)
     return MoeConfig("sorted", block_m, g1, g2)
 
 
@@ -271,17 +297,26 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     tail_m of 0 or 16 .. block_m / 2 (sorted only), a split_k that leaves every split work, and pipelined
     tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots).
     MXFP4 weights: block_k of at least one scale group (32) and tiles of at least 4 packed bytes per thread
-    (``mxfp4_tiles``), pointer loads of the weights and no persistent gemm2 (both need 16-bit weights)."""
+    (``mxfp4_tiles``), pointer loads of the weights and no persistent gemm2 (both need 16-bit weights).
+    fp8 block: ``fp8_tiles`` (whole 128-column scale blocks), block_m up to FP8_MAX_BLOCK_M, no persistent
+    gemm2."""
     esize = torch.empty((), dtype=dtype).element_size()
     g1, g2 = cfg.gemm1, cfg.gemm2
     if quant == "mxfp4":
         # The pipelined budget counts weight tiles as if 16-bit: an upper bound of the packed tiles plus the
         # decoded tile the dot reads.
         esize = max(esize, 2)
+    if quant == "mxfp4":
         g1 = dataclasses.replace(g1, tma_weights=False, persistent=False)
         g2 = dataclasses.replace(g2, tma_weights=False, persistent=False)
+    a_esize = esize
+    if quant == "fp8_block":
+        # 1-byte weight tiles; fp8_tiles then counts the activation tiles at their own size.
+        esize = 1
+        g1 = dataclasses.replace(g1, persistent=False)
+        g2 = dataclasses.replace(g2, persistent=False)
     if cfg.path == "sorted":
-        bm = min(128, max(16, triton_next_pow2(cfg.block_m)))
+        bm = min(FP8_MAX_BLOCK_M if quant == "fp8_block" else 128, max(16, triton_next_pow2(cfg.block_m)))
         g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm)), bm, 2, 16, esize)
         if g2.persistent:
             g2 = _fit(dataclasses.replace(g2, tail_m=0, split_k=1), bm, 1, 16, esize, out_tile=True)
@@ -290,13 +325,37 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
         if quant == "mxfp4":
             g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, 1, N)
+        if quant == "fp8_block":
+            g1, g2 = fp8_tiles(g1, bm, 2, a_esize, True), fp8_tiles(g2, bm, 1, a_esize, True)
+            g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / 128))))
         return MoeConfig("sorted", bm, g1, g2)
     g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False, persistent=False), 0, 2, 1, esize)
     g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False, persistent=False), 0,
               triton_next_pow2(topk), 1, esize)
     if quant == "mxfp4":
         g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, triton_next_pow2(topk), N)
+    if quant == "fp8_block":
+        g1, g2 = fp8_tiles(g1, 0, 2, a_esize, False), fp8_tiles(g2, 0, triton_next_pow2(topk), a_esize, False)
     return MoeConfig("direct", 0, g1, g2)
+
+
+def fp8_tiles(g: GemmConfig, block_m: int, col_mult: int, a_esize: int, sorted_path: bool) -> GemmConfig:
+    """An fp8 block tile: sorted (tensor-core steps), block_k = 128 (one scale block per step) and block_n a
+    multiple of 128 (gemm1's epilogue quantizes whole 128-column groups); GEMV, block_k a multiple of 128. Stages
+    shrink until the activation tiles (``a_esize`` bytes, the worst case: they may be quantized already) and
+    the 1-byte weight tiles fit SMEM_BUDGET; then GEMV tiles narrow block_n."""
+    bk = 128 if sorted_path else max(128, g.block_k)
+    bn = max(128, g.block_n) if sorted_path else g.block_n
+    stages = g.num_stages
+
+    def smem():
+        return stages * (block_m * a_esize + col_mult * bn) * bk
+
+    while smem() > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    while smem() > SMEM_BUDGET and bn > (128 if sorted_path else 1):
+        bn //= 2
+    return dataclasses.replace(g, block_n=bn, block_k=bk, num_stages=stages)
 
 
 def mxfp4_tiles(g: GemmConfig, row_mult: int, reduction: int) -> GemmConfig:

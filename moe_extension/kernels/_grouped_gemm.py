@@ -47,7 +47,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import dot_step, fma_step, weight_advance, weight_ptrs
+from moe_extension.kernels._weight_formats import (dot_step, dot_tile, fma_step, quantize_fp8_groups, scale_rows,
+                                                   weight_advance, weight_ptrs)
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -134,18 +135,24 @@ def _valid_rows(sorted_ptr, row0, P, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0, n0,
-                 P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
-                 stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
+                 expert, row0, n0, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+                 stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                  stride_be, stride_bn,
-                 stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+                 stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
                  ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-                 G_ON_A: tl.constexpr):
+                 G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``).
     G_ON_A: the router weights (apply_router_weight_on_input) scale the A rows, for weight formats whose GEMM
-    rounds its input (MXFP4: bf16(g x)); otherwise they scale the product (W (g x) = g (W x))."""
+    rounds or quantizes its input (MXFP4: bf16(g x), fp8 block: fp8(g x)); otherwise they scale the product
+    (W (g x) = g (W x)). Q_OUT (OUT_SORTED; BLOCK_N a multiple of 128): the tile is stored quantized for the
+    fp8 gemm2, e4m3 values in ``out`` and their per-row, per-128-column scales in ``os_ptr`` (row stride
+    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result. A_Q (fp8 block, not
+    G_ON_A): ``x`` holds the tokens quantized already (e4m3) and ``xs_ptr`` their scales per token (stride
+    ``stride_xsm``) and 128-column group; with A_DESC the rows of ``a_desc`` and the scales are per sorted row
+    (``gather_rows_kernel`` with Q)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -171,15 +178,23 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
         c = tl.arange(0, 2 * BLOCK_N)
         wr = (c // BLOCK_N) * N_HALF + (n0 + c % BLOCK_N) % N_HALF
     e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
-    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn, e64 * stride_se + wr64 * stride_sn,
-                                 0, stride_wk, stride_sk, BLOCK_K, WFMT, True)
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
+                                 scale_rows(e64, wr64, stride_se, stride_sn, WFMT), 0, stride_wk, stride_sk, BLOCK_K,
+                                 WFMT, True)
     # apply_router_weight_on_input: g of each row (1 when off).
     g = tl.load(gw_ptr + token.to(tl.int64) * stride_gm + (pair - token * topk) * stride_gk,
                 mask=pair < tl.where(router_on_input != 0, P, 0), other=1.0).to(tl.float32)
+    if A_Q:
+        # Scales per token, or per sorted row when the rows come in sorted order (A_DESC)
+        xs_ptrs = xs_ptr + (rows if A_DESC else token).to(tl.int64) * stride_xsm
     acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
             k_ok = offs_k < K - kk * BLOCK_K
+        if A_Q:
+            a_s = tl.load(xs_ptrs + kk, mask=row_ok, other=0.0)
+        else:
+            a_s = g  # unused
         if A_DESC:
             a = a_desc.load([row0, kk * BLOCK_K])
         elif EVEN_K:
@@ -195,9 +210,9 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
                 w = w_desc.load([expert, 2 * n0, kk * BLOCK_K])
             else:
                 w = w_desc.load([expert, 0, n0, kk * BLOCK_K])
-            acc = tl.dot(a, w.reshape(W_ROWS, BLOCK_K).T, acc, input_precision=DOT_PREC)
+            acc = dot_tile(acc, a, a_s, w.reshape(W_ROWS, BLOCK_K).T, s_ptrs, WFMT, PTX, DOT_PREC, A_Q)
         else:
-            acc = dot_step(acc, a, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC)
+            acc = dot_step(acc, a, a_s, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, A_Q)
         a_ptrs += BLOCK_K * stride_xk
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
 
@@ -217,6 +232,12 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < N_OUT)[None, :]
+    if Q_OUT:
+        # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax; padding rows quantize to 0.
+        result, q_s = quantize_fp8_groups(tl.where(row_ok[:, None] & n_ok, result, 0.0), PTX)
+        offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
+        tl.store(os_ptr + rows.to(tl.int64)[:, None] * stride_osm + offs_g[None, :], q_s,
+                 mask=(offs_g < tl.cdiv(N_OUT, 128))[None, :] & (row_ok[:, None] | ZERO_PAD))
     if OUT_SORTED:
         # NOTE: every row of a used block holds a value or 0 (padding rows here, the rows past a tail tile
         # in gemm1_sorted_kernel), so gemm2 multiplies zeros, not stale rows, in its padding rows: zero
@@ -225,7 +246,9 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
         # stored; gemm1 eager 430.8 against 445.3 us (benchmarks/results/ab_zero_padding_h100.txt).
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         if ZERO_PAD:
-            tl.store(o_ptrs, tl.where(row_ok[:, None], result, 0.0).to(out_ptr.dtype.element_ty), mask=n_ok)
+            if not Q_OUT:
+                result = tl.where(row_ok[:, None], result, 0.0)
+            tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
             tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
     else:
@@ -235,14 +258,15 @@ def _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
-    x_ptr, a_desc, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
-    counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias, router_on_input,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
-    stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+    x_ptr, xs_ptr, a_desc, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
+    block_expert_ptr, counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias,
+    router_on_input, stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr,
-    SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr,
+    SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, Q_OUT: tl.constexpr,
+    A_Q: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -272,25 +296,30 @@ def gemm1_sorted_kernel(
         return
     row0 = pid_m * BLOCK_M
     if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
-        _gemm1_block(x_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
-                     pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
-                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                     stride_be, stride_bn, stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+        _gemm1_block(x_ptr, xs_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
+                     expert, row0, pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+                     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                     stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A)
+                     G_ON_A, Q_OUT, A_Q)
         if OUT_SORTED and ZERO_PAD:  # the block's rows past the tail tile: 0
             r = tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + (row0 + r).to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
                      tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
                      mask=(r >= TAIL_M)[:, None] & (offs_n < N_OUT)[None, :])
+            if Q_OUT:
+                offs_g = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+                tl.store(os_ptr + (row0 + r).to(tl.int64)[:, None] * stride_osm + offs_g[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N // 128], dtype=tl.float32),
+                         mask=(r >= TAIL_M)[:, None] & (offs_g < tl.cdiv(N_OUT, 128))[None, :])
     else:
-        _gemm1_block(x_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, gw_ptr, sorted_ptr, expert, row0,
-                     pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
-                     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                     stride_be, stride_bn, stride_om, stride_on, stride_gm, stride_gk, alpha, limit,
+        _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
+                     expert, row0, pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
+                     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                     stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A)
+                     G_ON_A, Q_OUT, A_Q)
     if SIGNAL:
         # Every thread's stores come before one gpu-scope release increment of the expert's counter.
         tl.debug_barrier()
@@ -298,15 +327,17 @@ def gemm1_sorted_kernel(
 
 
 @triton.jit
-def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, n0, split,
-                 P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
-                 stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                 stride_be, stride_bn,
+def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0, n0,
+                 split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
+                 stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                 stride_sk, stride_be, stride_bn,
                  stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
                  A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
-                 A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr):
-    """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0.."""
+                 A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr):
+    """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0..
+    A_Q (fp8 block, A_SORTED): ``a`` holds e4m3 values and ``as_ptr`` their scales per row (stride
+    ``stride_asm``) and 128-column group (gemm1's Q_OUT output)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -324,8 +355,11 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, 
     a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak
     wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
     e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
-    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn, e64 * stride_se + wr64 * stride_sn,
-                                 k_start, stride_wk, stride_sk, BLOCK_K, WFMT, True)
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
+                                 scale_rows(e64, wr64, stride_se, stride_sn, WFMT), k_start, stride_wk, stride_sk,
+                                 BLOCK_K, WFMT, True)
+    if A_Q:
+        as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm + k_start // 128
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(k_start + k_per_split, K)
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
@@ -339,12 +373,16 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, 
         else:
             k_ok = offs_k < k_end - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if A_Q:
+            a_s = tl.load(as_ptrs + kk, mask=row_ok, other=0.0)
+        else:
+            a_s = row_ok  # unused
         if W_DESC:
             w = w_desc.load([expert, n0, k_start + kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            acc = dot_tile(acc, a, a_s, w, s_ptrs, WFMT, PTX, DOT_PREC, A_Q)
         else:
-            acc = dot_step(acc, a, w_ptrs, s_ptrs, k_end - k_start - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX,
-                           DOT_PREC)
+            acc = dot_step(acc, a, a_s, w_ptrs, s_ptrs, k_end - k_start - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX,
+                           DOT_PREC, A_Q)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
 
@@ -363,15 +401,15 @@ def _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", "tiles_n1",
                                *_RUNTIME_STRIDES])
 def gemm2_sorted_kernel(
-    a_ptr, a_desc, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
+    a_ptr, as_ptr, a_desc, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, block_expert_ptr,
     counts_ptr, starts_ptr, done_ptr, tiles_n1, P, topk, N_OUT, K, num_blocks_m, k_per_split, has_bias, apply_weight,
-    stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
-    WFMT: tl.constexpr, PTX: tl.constexpr,
+    WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
@@ -410,17 +448,17 @@ def gemm2_sorted_kernel(
             tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
                                       pack=1)
     if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
-        _gemm2_block(a_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
-                     pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
-                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                     stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                     A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
+        _gemm2_block(a_ptr, as_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert,
+                     row0, pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
+                     stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
+                     stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
+                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
     else:
-        _gemm2_block(a_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
+        _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
-                     stride_am, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                     stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                     A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX)
+                     stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
+                     stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
+                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
     if WAIT:
         if PDL:
             # gemm1 has completed (all its tiles counted): this grid's completion implies gemm1's.
@@ -428,11 +466,14 @@ def gemm2_sorted_kernel(
 
 
 @triton.jit(do_not_specialize=["P", "topk"])
-def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K, stride_xm, stride_xk, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def gather_rows_kernel(x_ptr, out_ptr, os_ptr, sorted_ptr, block_expert_ptr, P, topk, K, stride_xm, stride_xk,
+                       stride_om, stride_osm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                       Q: tl.constexpr, PTX: tl.constexpr):
     """out[row, k] = x[sorted[row] // topk, k] for the valid rows of the used blocks and 0 for their padding
     rows, program (block, k tile): gemm1's A operand in sorted order, for TMA loads (unused blocks
-    untouched; zero padding rows: see the NOTE in _gemm1_block)."""
+    untouched; zero padding rows: see the NOTE in _gemm1_block). Q (fp8 block; BLOCK_K a multiple of 128): the
+    rows are stored quantized (``quantize_fp8_groups``: e4m3 in ``out``, scales per row and 128-column group in
+    ``os_ptr``, row stride ``stride_osm``), the same values as quantizing x per token."""
     grid_dependency(PDL)
     block = tl.program_id(0)
     if tl.load(block_expert_ptr + block) < 0:
@@ -445,7 +486,13 @@ def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, block_expert_ptr, P, topk, K,
     k_ok = (offs_k < K)[None, :]
     vals = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                    mask=row_ok[:, None] & k_ok, other=0.0)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_k[None, :], vals, mask=k_ok)
+    if Q:
+        vals, scales = quantize_fp8_groups(vals, PTX)
+        offs_g = tl.program_id(1) * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
+        tl.store(os_ptr + rows.to(tl.int64)[:, None] * stride_osm + offs_g[None, :], scales,
+                 mask=(offs_g < tl.cdiv(K, 128))[None, :])
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_k[None, :], vals.to(out_ptr.dtype.element_ty),
+             mask=k_ok)
 
 
 @triton.jit(do_not_specialize=["M", "topk", "SPLITS"])
@@ -518,10 +565,12 @@ def gemv1_kernel(
         acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
-    w_rows, s_rows = e64 * stride_we + wr64 * stride_wn, e64 * stride_se + wr64 * stride_sn
-    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows, s_rows, 0, stride_wk, stride_sk, BLOCK_K, WFMT, False)
-    u_ptrs, us_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows + N_HALF * stride_wn, s_rows + N_HALF * stride_sn, 0,
-                                  stride_wk, stride_sk, BLOCK_K, WFMT, False)
+    w_rows = e64 * stride_we + wr64 * stride_wn
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows, scale_rows(e64, wr64, stride_se, stride_sn, WFMT), 0,
+                                 stride_wk, stride_sk, BLOCK_K, WFMT, False)
+    u_ptrs, us_ptrs = weight_ptrs(w_ptr, ws_ptr, w_rows + N_HALF * stride_wn,
+                                  scale_rows(e64, wr64 + N_HALF, stride_se, stride_sn, WFMT), 0, stride_wk, stride_sk,
+                                  BLOCK_K, WFMT, False)
     g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk, mask=router_on_input != 0,
                 other=1.0).to(tl.float32)
     for kk in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
@@ -603,8 +652,8 @@ def gemv2_kernel(
     e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
     wr64 = wr.to(tl.int64)
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64[:, None] * stride_we + wr64[None, :] * stride_wn,
-                                 e64[:, None] * stride_se + wr64[None, :] * stride_sn, 0, stride_wk, stride_sk,
-                                 BLOCK_K, WFMT, False)
+                                 scale_rows(e64[:, None], wr64[None, :], stride_se, stride_sn, WFMT), 0, stride_wk,
+                                 stride_sk, BLOCK_K, WFMT, False)
     a_ptrs = a_ptr + t.to(tl.int64) * stride_at + (slot0 + jj)[:, None] * stride_aj + offs_k[None, :] * stride_ak
     k_lim = tl.where(ok_vec, K, 0)  # per slot: an invalid slot loads nothing
     ACC_K: tl.constexpr = BLOCK_K // 2 if WFMT == 1 else BLOCK_K

@@ -34,10 +34,10 @@ pdl_capable = tma_capable
 
 
 def tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
-    """Whether TMA can load [.., block_k] tiles of t: 16-bit elements, last dim contiguous, base and outer
-    strides 16-byte aligned, the reduction box within 256."""
+    """Whether TMA can load [.., block_k] tiles of t: 16-bit elements (or 1-byte fp8), last dim contiguous,
+    base and outer strides 16-byte aligned, the reduction box within 256."""
     esize = t.element_size()
-    return (esize == 2 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    return ((esize == 2 or t.dtype == torch.float8_e4m3fn) and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all(s * esize % 16 == 0 for s in t.stride()[:-1]) and block_k <= 256)
 
 

@@ -14,26 +14,40 @@ schedules; what differs between weight formats is only this plug, selected by th
   parity keeps each decoded register pair (two bytes' low nibbles) in the dot's operand order: no
   interleaving shuffle.
 
-Each format provides the device functions every kernel calls at the same places: ``weight_ptrs`` (the first k
-step's pointers of a tile of weight rows), ``weight_advance`` (the next step's), ``dot_step`` (tensor-core
-step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``) and ``fma_step`` (GEMV step: elementwise products into a
-``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at
-the end). A new format adds a branch to each, its scale arguments and its tests.
+- ``WFMT_FP8_BLOCK`` (2): ``quant="fp8_block"``. e4m3fn weights ``[E, rows, cols]`` with fp32 scales
+  ``[E, ceil(rows / 128), ceil(cols / 128)]``, any strides; the activations are quantized per row per 128
+  columns (``quantize_fp8_groups``: the rule of ``moe_extension.quant.fp8_block``) where the step loads them,
+  unless the caller hands over rows quantized already (``A_Q``: gemm2 reads the fp8 rows and scales that
+  gemm1's epilogue wrote). A tensor-core step is one 128-column scale block (BLOCK_K = 128):
+  ``acc += (a_q @ W_q^T) * a_s * w_s``, the fp8 dot on sm_89+, in fp16 below (e4m3 values and their products
+  are exact in fp16 / fp32), in fp32 in the interpreter. GEMV steps (BLOCK_K a multiple of 128) multiply the
+  dequantized values in fp32.
 
-``PTX`` (constexpr): decode MXFP4 codes with inline PTX on the GPU (``_E2M1X4_ASM``; sm_80+, bf16x2 FMAs) and
-apply the scales by a bf16 multiply; False decodes with plain Triton integer ops and multiplies in fp32, for
-Triton's interpreter, which runs no inline PTX and whose bf16 dot is wrong. The decoded values and their
-products are the same in both, subnormal scales (byte 0: 2^-127) included.
+Each format provides the device functions every kernel calls at the same places: ``scale_rows`` (the scale
+offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
+``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
+``dot_tile`` is its second half, for a tile that TMA loaded)
+and ``fma_step`` (GEMV step: elementwise products into a ``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K /
+2]`` for MXFP4, reduced over its last dim by the kernel at the end). A new format adds a branch to each, its
+scale arguments and its tests.
+
+``PTX`` (constexpr): True on the GPU: decode MXFP4 codes with inline PTX (``_E2M1X4_ASM``; sm_80+, bf16x2
+FMAs) and apply the scales by a bf16 multiply; round to fp8 with the hardware conversion. False, for Triton's
+interpreter (which runs no inline PTX, whose bf16 dot is wrong and whose fp32 -> fp8 conversion misrounds
+values near a power of two): plain Triton integer ops, products in fp32. The decoded / quantized values and
+their products are the same in both, subnormal scales (byte 0: 2^-127) included.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.target_info import cuda_capability_geq
 
 WFMT_DENSE = 0
 WFMT_MXFP4 = 1
-WEIGHT_FORMATS = {"none": WFMT_DENSE, "mxfp4": WFMT_MXFP4}
+WFMT_FP8_BLOCK = 2
+WEIGHT_FORMATS = {"none": WFMT_DENSE, "mxfp4": WFMT_MXFP4, "fp8_block": WFMT_FP8_BLOCK}
 
 
 @triton.jit
@@ -160,6 +174,84 @@ def _even_odd(a):
 
 
 @triton.jit
+def _e4m3_rne(v):
+    """fp32 ``v`` in [-448, 448] -> the nearest e4m3fn value (ties to even), held in fp32: adding and
+    subtracting 1.5 * 2^23 ulp rounds to a multiple of the ulp, which is 2^(exponent - 3) for normal values
+    and 2^-9 for e4m3's subnormals (below 2^-6)."""
+    e = tl.maximum((v.to(tl.uint32, bitcast=True) >> 23) & 0xFF, 121)
+    big = ((e - 3) << 23).to(tl.float32, bitcast=True) * 12582912.0
+    return tl.where(v >= 0, (v + big) - big, -((big - v) - big))
+
+
+@triton.jit
+def quantize_fp8_groups(x, PTX: tl.constexpr):
+    """``x [C]`` or ``[R, C]`` (C a multiple of 128, any float dtype) -> ``(q, s)``: per row and 128-column
+    group ``s = max(amax|x|, 1e-10) / 448`` (fp32, ``[G]`` or ``[R, G]``, G = C / 128) and
+    ``q = e4m3fn(clamp(x / s, -448, 448))`` (``[C]`` / ``[R, C]``; float8e4nv with PTX, else its values in
+    fp32), divisions correctly rounded: the rule of ``moe_extension.quant.fp8_block``."""
+    xf = x.to(tl.float32)
+    if len(x.shape) == 2:
+        R: tl.constexpr = x.shape[0]
+        C: tl.constexpr = x.shape[1]
+        xg = tl.reshape(xf, (R, C // 128, 128))
+        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=2), 1e-10), 448.0)
+        v = tl.reshape(tl.clamp(tl.math.div_rn(xg, s[:, :, None]), -448.0, 448.0), (R, C))
+    else:
+        C1: tl.constexpr = x.shape[0]
+        xg = tl.reshape(xf, (C1 // 128, 128))
+        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=1), 1e-10), 448.0)
+        v = tl.reshape(tl.clamp(tl.math.div_rn(xg, s[:, None]), -448.0, 448.0), (C1,))
+    if PTX:
+        q = v.to(tl.float8e4nv)
+    else:
+        q = _e4m3_rne(v)
+    return q, s
+
+
+@triton.jit
+def _times_group_scales(v, s):
+    """``v [..., C]`` fp32 times its per-128-column scales ``s [..., C / 128]`` (same leading dims)."""
+    if len(v.shape) == 3:
+        A: tl.constexpr = v.shape[0]
+        B: tl.constexpr = v.shape[1]
+        C: tl.constexpr = v.shape[2]
+        out = tl.reshape(tl.reshape(v, (A, B, C // 128, 128)) * s[:, :, :, None], (A, B, C))
+    elif len(v.shape) == 2:
+        R: tl.constexpr = v.shape[0]
+        C2: tl.constexpr = v.shape[1]
+        out = tl.reshape(tl.reshape(v, (R, C2 // 128, 128)) * s[:, :, None], (R, C2))
+    else:
+        C1: tl.constexpr = v.shape[0]
+        out = tl.reshape(tl.reshape(v, (C1 // 128, 128)) * s[:, None], (C1,))
+    return out
+
+
+@triton.jit
+def _fp8_dot(aq, w, PTX: tl.constexpr):
+    """``aq [BM, K] @ w [K, R]`` of e4m3 values into a fresh fp32 tile: the fp8 tensor-core dot on sm_89+,
+    fp16 below (e4m3 values are exact in fp16, their products in fp32), fp32 in the interpreter."""
+    if PTX:
+        if cuda_capability_geq(8, 9):
+            out = tl.dot(aq, w)
+        else:
+            out = tl.dot(aq.to(tl.float16), w.to(tl.float16))
+    else:
+        out = tl.dot(aq.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return out
+
+
+@triton.jit
+def scale_rows(e64, rows64, stride_se, stride_sn, WFMT: tl.constexpr):
+    """Offsets (elements) of the scale rows of expert ``e64``'s weight rows ``rows64``: the rows themselves
+    for MXFP4 (a scale row per weight row), their 128-row block for fp8 block (0 for dense: strides 0)."""
+    if WFMT == 2:
+        out = e64 * stride_se + (rows64 // 128) * stride_sn
+    else:
+        out = e64 * stride_se + rows64 * stride_sn
+    return out
+
+
+@triton.jit
 def weight_ptrs(w_ptr, s_ptr, w_rows, s_rows, k0, stride_wk, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
                 TRANS: tl.constexpr):
     """Pointers of the first k step (columns k0 .. k0 + BLOCK_K) of a tile of weight rows whose offsets (in
@@ -167,7 +259,8 @@ def weight_ptrs(w_ptr, s_ptr, w_rows, s_rows, k0, stride_wk, stride_sk, BLOCK_K:
 
     Dense: one tile of pointers, [BLOCK_K, R] with TRANS (the dot's B operand; 1-D rows) else [..., R,
     BLOCK_K], and ``s_ptr`` (unused). MXFP4: the bytes [..., R, BLOCK_K / 2] and the scales
-    [..., R, BLOCK_K / 32]."""
+    [..., R, BLOCK_K / 32]. fp8 block: the dense tile of pointers and the scales [R] with TRANS (one 128-column
+    block per step), else [..., R, BLOCK_K / 128] (``k0`` a multiple of 128)."""
     if WFMT == 1:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -185,7 +278,16 @@ def weight_ptrs(w_ptr, s_ptr, w_rows, s_rows, k0, stride_wk, stride_sk, BLOCK_K:
             ptrs = w_ptr + w_rows[:, :, None] + offs_k[None, None, :] * stride_wk
         else:
             ptrs = w_ptr + w_rows[:, None] + offs_k[None, :] * stride_wk
-        s_ptrs = s_ptr  # unused: a scalar, so that the tile loops carry nothing extra
+        if WFMT == 2:
+            kg = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+            if TRANS:
+                s_ptrs = s_ptr + s_rows + (k0 // 128) * stride_sk
+            elif len(w_rows.shape) == 2:
+                s_ptrs = s_ptr + s_rows[:, :, None] + kg[None, None, :] * stride_sk
+            else:
+                s_ptrs = s_ptr + s_rows[:, None] + kg[None, :] * stride_sk
+        else:
+            s_ptrs = s_ptr  # unused: a scalar, so that the tile loops carry nothing extra
     return ptrs, s_ptrs
 
 
@@ -194,6 +296,8 @@ def weight_advance(ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K: tl.constexpr, WF
     """The pointers of the next k step."""
     if WFMT == 1:
         ptrs, s_ptrs = ptrs + (BLOCK_K // 2) * stride_wk, s_ptrs + (BLOCK_K // 32) * stride_sk
+    elif WFMT == 2:
+        ptrs, s_ptrs = ptrs + BLOCK_K * stride_wk, s_ptrs + (BLOCK_K // 128) * stride_sk
     else:
         ptrs = ptrs + BLOCK_K * stride_wk
     return ptrs, s_ptrs
@@ -212,13 +316,34 @@ def _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def dot_step(acc, a, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
-             PTX: tl.constexpr, DOT_PREC: tl.constexpr):
+def dot_tile(acc, a, a_scale, w, s_ptrs, WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr,
+             A_Q: tl.constexpr):
+    """``acc [BM, R] += a [BM, BLOCK_K] @ w [BLOCK_K, R]`` for a loaded tile ``w`` of a format whose tiles are
+    plain element tiles (dense; fp8 block, whose tiles TMA loads too), ``s_ptrs`` as ``weight_ptrs`` gives them.
+
+    fp8 block (BLOCK_K = 128): ``a`` is quantized here, or with A_Q it is quantized already (e4m3 values) and
+    ``a_scale [BM]`` holds its scales; the block's product is scaled by both scales into acc."""
+    if WFMT == 2:
+        if A_Q:
+            aq, a_s = a, a_scale
+        else:
+            aq, a_sg = quantize_fp8_groups(a, PTX)
+            a_s = tl.reshape(a_sg, (a.shape[0],))
+        acc += _fp8_dot(aq, w, PTX) * a_s[:, None] * tl.load(s_ptrs)[None, :]
+    else:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def dot_step(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+             PTX: tl.constexpr, DOT_PREC: tl.constexpr, A_Q: tl.constexpr):
     """``acc [BM, R] += a [BM, BLOCK_K] @ W[rows, k step]^T`` for the tile at ``ptrs`` (``TRANS`` pointers of
     ``weight_ptrs``); ``k_left`` columns remain from this step's first one (past them W reads as 0).
 
     MXFP4: two dots, the activations' even columns with the decoded low nibbles and the odd columns with the
     high nibbles: each decoded tile stays in the register layout it was decoded in (no interleaving shuffle).
+    Dense and fp8 block: the tile loaded, then ``dot_tile``.
     """
     if WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
@@ -230,7 +355,7 @@ def dot_step(acc, a, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
             w = tl.load(ptrs)
         else:
             w = tl.load(ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        acc = dot_tile(acc, a, a_scale, w, s_ptrs, WFMT, PTX, DOT_PREC, A_Q)
     return acc
 
 
@@ -238,7 +363,8 @@ def dot_step(acc, a, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
 def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
              PTX: tl.constexpr):
     """GEMV step: ``acc [..., R, BLOCK_K] += W [..., R, k step] * x [..., 1, BLOCK_K]`` elementwise in fp32
-    (MXFP4: the even and the odd columns into the same BLOCK_K / 2 columns of acc). ``x`` is [BLOCK_K] (one row for all
+    (MXFP4: the even and the odd columns into the same BLOCK_K / 2 columns of acc; fp8 block: ``x`` quantized per
+    128 columns, both operands dequantized). ``x`` is [BLOCK_K] (one row for all
     the tile's rows) or [S, BLOCK_K] (one per leading index of a 3-D tile); ``k_left`` as in ``dot_step`` (a
     scalar or per leading index, [S, 1, 1])."""
     if WFMT == 1:
@@ -254,6 +380,15 @@ def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
             w = tl.load(ptrs)
         else:
             w = tl.load(ptrs, mask=tl.arange(0, BLOCK_K) < k_left, other=0.0)
+        if WFMT == 2:
+            # Both operands dequantized (e4m3 value times its scale, as quant.fp8_block does) in fp32.
+            if EVEN_K:
+                ws = tl.load(s_ptrs)
+            else:
+                ws = tl.load(s_ptrs, mask=tl.arange(0, BLOCK_K // 128) * 128 < k_left, other=0.0)
+            w = _times_group_scales(w.to(tl.float32), ws)
+            xq, xs = quantize_fp8_groups(x, PTX)
+            x = _times_group_scales(xq.to(tl.float32), xs)
         xf = x.to(tl.float32)
         if len(x.shape) == 2:
             xf = xf[:, None, :]
@@ -285,6 +420,11 @@ class WeightOperand:
     @property
     def dense(self) -> bool:
         return self.fmt == WFMT_DENSE
+
+    @property
+    def element_tiles(self) -> bool:
+        """Whether a weight tile is a plain tile of elements (dense, fp8 block): TMA can load it (``dot_tile``)."""
+        return self.fmt in (WFMT_DENSE, WFMT_FP8_BLOCK)
 
     @staticmethod
     def of(w) -> "WeightOperand":

@@ -1,5 +1,6 @@
 """Launchers of the routed-expert Triton kernels: the entry points behind ``fused_experts``,
-``expert_gemm1`` and ``expert_gemm2`` for ``quant="none"`` (arguments already validated by the op layer).
+``expert_gemm1`` and ``expert_gemm2`` for every ``quant`` in ``_weight_formats.WEIGHT_FORMATS`` (arguments
+already validated by the op layer).
 
 Shapes: ``hidden_states [M, K]``, ``w1 [E, 2N, K]``, ``w2 [E, K, N]`` (any strides), ``w1_bias [E, 2N]``,
 ``w2_bias [E, K]``, ``topk_weights [M, topk]``, ``topk_ids [M, topk]`` int32/int64, ``expert_map
@@ -51,13 +52,15 @@ from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persisten
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major
 from moe_extension.kernels._launch import (device_guard, pdl_capable, pdl_options, sm_count, tma_capable,
                                            tma_layout_ok)
+from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
-from moe_extension.kernels._weight_formats import WeightOperand
+from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WeightOperand
 
 
 def _dot_precision(dtype: torch.dtype, w: WeightOperand | None = None) -> str:
     # NOTE: fp32 inputs use exact fp32 products (tf32 would cost ~1e-3 relative error); bf16/fp16 ignore it.
-    # MXFP4 multiplies bf16 values: on the GPU as bf16, in the interpreter held in fp32 (exact products).
+    # MXFP4 multiplies bf16 values: on the GPU as bf16, in the interpreter held in fp32 (exact products); fp8
+    # block's dots take no precision argument (``_weight_formats._fp8_dot``).
     if w is not None and not w.dense:
         return "tf32" if _ptx(w.w.device) else "ieee"
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -109,63 +112,87 @@ def _sorted_rows_descs(a: torch.Tensor, block_m: int, cfg: GemmConfig):
     return desc(block_m), desc(cfg.tail_m) if cfg.tail_m else None
 
 
-def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool = False):
-    """(a_desc, a_tail_desc, rows) of gemm1's A rows copied into sorted order (``rows``) by ``gather_rows_kernel``
-    when cfg asks for it (``tma_a``) and the device and layout allow; (None, None, None) selects the gathered
-    pointer loads. The copy is contiguous, so its layout is TMA-capable when rows of K 16-bit elements are
-    16-byte multiples."""
-    if not (cfg.tma_a and tma_capable(x.device) and x.element_size() == 2 and x.shape[1] % 8 == 0):
-        return None, None, None
-    rows = torch.empty((routing.max_blocks * routing.block_m, x.shape[1]), dtype=x.dtype, device=x.device)
+def gathers_rows(x: torch.Tensor, cfg: GemmConfig, quantize: bool = False) -> bool:
+    """Whether gemm1 copies its A rows into sorted order for TMA loads (``_gathered_rows_descs``): asked for
+    (``tma_a``), sm_90+, 16-bit x, and rows of the copy (K elements of 2 bytes, 1 quantized) 16-byte multiples."""
+    return (cfg.tma_a and tma_capable(x.device) and x.element_size() == 2
+            and x.shape[1] * (1 if quantize else 2) % 16 == 0)
+
+
+def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool = False, quantize: bool = False):
+    """(a_desc, a_tail_desc, rows, rows_scale) of gemm1's A rows copied into sorted order (``rows``) by
+    ``gather_rows_kernel`` when ``gathers_rows``; (None,) * 4 selects the gathered pointer loads. ``quantize`` (fp8
+    block): the copy holds the rows quantized, e4m3 values and their scales ``rows_scale`` [rows, cdiv(K, 128)]
+    (else None)."""
+    if not gathers_rows(x, cfg, quantize):
+        return None, None, None, None
+    K = x.shape[1]
+    rows = torch.empty((routing.max_blocks * routing.block_m, K),
+                       dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
+    rows_scale = (torch.empty((rows.shape[0], triton.cdiv(K, 128)), dtype=torch.float32, device=x.device)
+                  if quantize else None)
     descs = _sorted_rows_descs(rows, routing.block_m, cfg)
     if descs[0] is not None:
         # NOTE: [block_m, 256] per program, 8 warps: at mixtral M = 4096 (8192 rows of 4096 bf16, 67 MB
         # written) the copy took 40 us on the H100, about the copy ceiling.
-        block_k = min(256, triton.next_power_of_2(x.shape[1]))
-        kern.gather_rows_kernel[(routing.max_blocks, triton.cdiv(x.shape[1], block_k))](
-            x, rows, routing.sorted_pairs, routing.block_expert, routing.inverse.numel(), topk, x.shape[1],
-            x.stride(0), x.stride(1), rows.stride(0), BLOCK_M=routing.block_m, BLOCK_K=block_k,
+        block_k = min(256, triton.next_power_of_2(K))
+        block_k = max(128, block_k) if quantize else block_k  # whole 128-column groups
+        kern.gather_rows_kernel[(routing.max_blocks, triton.cdiv(K, block_k))](
+            x, rows, rows_scale if quantize else rows, routing.sorted_pairs, routing.block_expert,
+            routing.inverse.numel(), topk, K, x.stride(0), x.stride(1), rows.stride(0), _stride(rows_scale, 0),
+            BLOCK_M=routing.block_m, BLOCK_K=block_k, Q=quantize, PTX=_ptx(x.device),
             **pdl_options(pdl, num_warps=8),
         )
-    return descs + (rows,)
+    return descs + (rows, rows_scale)
 
 
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
-                  cfg: GemmConfig, pdl: bool = False, signal: bool = False, zero_padding: bool = True):
+                  cfg: GemmConfig, pdl: bool = False, signal: bool = False, zero_padding: bool = True,
+                  x_scale: torch.Tensor | None = None, out_scale: torch.Tensor | None = None):
     """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N].
+
+    fp8 block: ``x_scale`` given: x is quantized already (``quantize_fp8_rows``: e4m3 rows and their
+    scales [M, cdiv(K, 128)]); ``out_scale`` given (out_sorted): out is stored quantized, e4m3 values and their
+    scales [rows, cdiv(N, 128)], for the fp8 gemm2.
 
     zero_padding (out_sorted): store the padding rows of the used blocks as 0 (False: leave them unwritten,
     for a consumer that reads only valid rows). pdl: launch with programmatic dependent launch. signal: count
     each finished tile in ``routing.tiles_done[expert]`` (for a gemm2 launched with ``wait_tiles_n1``).
-    Returns the row copy workspace of ``tma_a`` (or None): with PDL it must stay allocated until a kernel
-    that waits for this one's completion has been launched."""
+    Returns the row copy workspaces of ``tma_a`` (rows and, quantized, their scales; or None): with PDL they
+    must stay allocated until a kernel that waits for this one's completion has been launched."""
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
-    if not w1.dense:
+    if not w1.element_tiles:
         w_desc = None
     elif act == kern.ACT_SWIGLUOAI:
         w_desc = _weight_desc(w1.w, 2 * cfg.block_n, cfg)
     else:
         w_desc = _weight_desc(w1.w, cfg.block_n, cfg, halves=act != kern.ACT_NONE)
-    a_desc, a_tail_desc, rows = _gathered_rows_descs(x, routing, topk, cfg, pdl) if out_sorted else (None,) * 3
+    a_desc, a_tail_desc, rows, rows_scale = (
+        _gathered_rows_descs(x, routing, topk, cfg, pdl, quantize=w1.fmt == WFMT_FP8_BLOCK and weights is None)
+        if out_sorted and x_scale is None else (None,) * 4)
+    if rows_scale is not None:
+        x_scale = rows_scale
     kern.gemm1_sorted_kernel[grid](
-        x, a_desc, a_tail_desc, w1.w, w_desc, w1.scale, bias if bias is not None else out, out,
+        x, x_scale if x_scale is not None else x, a_desc, a_tail_desc, w1.w, w_desc, w1.scale,
+        bias if bias is not None else out, out, out_scale if out_scale is not None else out,
         weights if weights is not None else out,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.tiles_done, routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks,
         int(bias is not None), int(weights is not None),
-        x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
-        out.stride(0), out.stride(1), _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
-        ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
+        x.stride(0), x.stride(1), _stride(x_scale, 0), *w1.strides, _stride(bias, 0), _stride(bias, 1),
+        out.stride(0), out.stride(1), _stride(out_scale, 0), _stride(weights, 0), _stride(weights, 1), float(alpha),
+        float(limit), ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
         DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
         G_ON_A=weights is not None and not w1.dense,
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
+        Q_OUT=out_scale is not None, A_Q=x_scale is not None,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
-    return rows
+    return rows, rows_scale
 
 
 def effective_splits(N: int, cfg: GemmConfig) -> int:
@@ -175,8 +202,9 @@ def effective_splits(N: int, cfg: GemmConfig) -> int:
 
 
 def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False,
-                  wait_tiles_n1: int = 0):
+                  wait_tiles_n1: int = 0, a_scale: torch.Tensor | None = None):
     """y [splits, M, topk, K] of the second GEMM; ``a`` is [sorted rows, N] (a_sorted) or [M, topk, N].
+    fp8 block: ``a_scale`` given (a_sorted), a holds gemm1's quantized rows and these their scales.
 
     pdl: launch with programmatic dependent launch. wait_tiles_n1 > 0 (gemm1's N tiles; with pdl, after a
     gemm1 launched with ``signal``): each tile waits until its expert's gemm1 tiles have all counted instead
@@ -190,20 +218,23 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     else:
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
     grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
-    w_desc = _weight_desc(w2.w, cfg.block_n, cfg) if w2.dense else None
+    w_desc = _weight_desc(w2.w, cfg.block_n, cfg) if w2.element_tiles else None
     a_desc, a_tail_desc = _sorted_rows_descs(a, routing.block_m, cfg) if a_sorted else (None, None)
     kern.gemm2_sorted_kernel[grid](
-        a, a_desc, a_tail_desc, w2.w, w_desc, w2.scale, bias if bias is not None else y, y,
+        a, a_scale if a_scale is not None else a, a_desc, a_tail_desc, w2.w, w_desc, w2.scale,
+        bias if bias is not None else y, y,
         weights if weights is not None else y,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.tiles_done, wait_tiles_n1, routing.inverse.numel(), topk, K, N, routing.max_blocks, k_per_split,
-        int(bias is not None), int(weights is not None), stride_am, stride_aj, stride_ak, *w2.strides,
+        int(bias is not None), int(weights is not None), stride_am, stride_aj, stride_ak, _stride(a_scale, 0),
+        *w2.strides,
         _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         _stride(weights, 0), _stride(weights, 1),
         A_SORTED=a_sorted, WFMT=w2.fmt, PTX=_ptx(a.device),
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype, w2),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, WAIT=wait_tiles_n1 > 0,
+        A_Q=a_scale is not None,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
 
@@ -313,7 +344,11 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                          config: MoeConfig | None = None, pdl: bool = True) -> torch.Tensor:
     """out [M, K] = sum_j g_j FFN_{e_j}(x) (or sum_j FFN_{e_j}(g_j x) with apply_router_weight_on_input).
 
-    quant: "none" or "mxfp4" (w1 / w2 packed, with their scales; see ``_weight_formats``). pdl: programmatic
+    quant: "none", "mxfp4" or "fp8_block" (w1 / w2 with their scales; see ``_weight_formats``). fp8 block
+    quantizes the activations per token per 128 columns: in the sorted schedule x once up front
+    (``quantize_fp8_rows``; per slot inside gemm1 with apply_router_weight_on_input, since g x is what is
+    quantized) and gemm1's output in its epilogue (e4m3 rows + scales, gemm2's input); in the direct schedule
+    both GEMVs quantize their input as they load it (the intermediate is kept in fp32). pdl: programmatic
     dependent launch where the device has it (False: plain stream order, for A/B runs)."""
     M, K = hidden_states.shape
     w1, w2 = WeightOperand(w1, w1_scale, quant), WeightOperand(w2, w2_scale, quant)
@@ -329,23 +364,31 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     w_out = None if apply_router_weight_on_input else topk_weights
     out = torch.empty((M, K), dtype=dtype, device=dev)
     pdl = pdl and pdl_capable(dev)
+    fp8 = w1.fmt == WFMT_FP8_BLOCK
     with device_guard(dev):
         if cfg.path == "direct":
-            a = torch.empty((M, topk, N), dtype=dtype, device=dev)
+            a = torch.empty((M, topk, N), dtype=torch.float32 if fp8 else dtype, device=dev)
             _gemv1(hidden_states, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
                    cfg.gemm1)
             _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2)
             return out
+        x, x_scale, a_scale = hidden_states, None, None
+        if fp8 and w_in is None and not gathers_rows(hidden_states, cfg.gemm1, quantize=True):
+            x, x_scale = quantize_fp8_rows(hidden_states)
         routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
-        a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=dtype, device=dev)
+        a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=torch.float8_e4m3fn if fp8 else dtype,
+                        device=dev)
+        if fp8:
+            a_scale = torch.empty((a.shape[0], triton.cdiv(N, 128)), dtype=torch.float32, device=dev)
         # With PDL, gemm2 starts while gemm1 still runs (see the module docstring): gemm1 counts its finished
         # tiles per expert, gemm2's tiles wait for their expert's count, and gemm1's row copy (if any) stays
         # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it. The
         # persistent gemm2 reads only valid rows, so gemm1 leaves the padding rows unwritten for it (at qwen3
         # M = 4096 ~8k rows, 12.6 MB of stores; the end-to-end change was inside the noise).
         persistent = w2.dense and _persistent_gemm2_ok(a, w2.w, cfg.gemm2)
-        rows = _gemm1_sorted(hidden_states, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1,
-                             pdl, signal=pdl and not persistent, zero_padding=not persistent)
+        rows = _gemm1_sorted(x, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1, pdl,
+                             signal=pdl and not persistent, zero_padding=not persistent, x_scale=x_scale,
+                             out_scale=a_scale)
         if persistent:
             # Sorted rows (padding rows never written), summed through routing.inverse.
             y = torch.empty((a.shape[0], K), dtype=dtype, device=dev)
@@ -360,7 +403,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
             y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
             _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl,
-                          wait_tiles_n1=triton.cdiv(N, cfg.gemm1.block_n) if pdl else 0)
+                          wait_tiles_n1=triton.cdiv(N, cfg.gemm1.block_n) if pdl else 0, a_scale=a_scale)
         _sum_slots(y, routing.inverse, out, topk, pdl)
         del rows
     return out
@@ -370,7 +413,8 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
                         w1_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
                         topk_weights: torch.Tensor | None = None, quant: str = "none",
                         w1_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
-    """h [M, topk, 2N] = W1[e] (g x or x) + b1[e]; rows of invalid slots are 0. quant: "none" or "mxfp4"."""
+    """h [M, topk, 2N] = W1[e] (g x or x) + b1[e]; rows of invalid slots are 0. quant: "none", "mxfp4" or
+    "fp8_block" (x, or g x, quantized as in ``fused_experts_triton``)."""
     M, K = hidden_states.shape
     w1 = WeightOperand(w1, w1_scale, quant)
     E, two_n, _ = w1.shape
@@ -387,9 +431,12 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
             _gemv1(hidden_states, w1, w1_bias, h_rows, topk_ids, expert_map, kern.ACT_NONE, topk_weights, 0.0, 0.0,
                    cfg.gemm1)
         else:
+            x, x_scale = hidden_states, None
+            if w1.fmt == WFMT_FP8_BLOCK and topk_weights is None:
+                x, x_scale = quantize_fp8_rows(hidden_states)
             routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
-            _gemm1_sorted(hidden_states, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights,
-                          0.0, 0.0, cfg.gemm1, pdl)
+            _gemm1_sorted(x, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights, 0.0, 0.0,
+                          cfg.gemm1, pdl, x_scale=x_scale)
     return h
 
 
@@ -398,7 +445,7 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
                         topk_weights: torch.Tensor | None = None, quant: str = "none",
                         w2_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
     """y [M, topk, K] = (W2[e] a + b2[e]) (times g when topk_weights is given); rows of invalid slots are 0.
-    quant: "none" or "mxfp4"."""
+    quant: "none", "mxfp4" or "fp8_block" (``intermediate`` quantized per row per 128 columns as it is loaded)."""
     M, topk, N = intermediate.shape
     w2 = WeightOperand(w2, w2_scale, quant)
     E, K, _ = w2.shape

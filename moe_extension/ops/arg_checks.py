@@ -17,7 +17,7 @@ from moe_extension.quant.mxfp4 import MXFP4_BLOCK
 
 QUANT_FORMATS = ("none", "fp8_block", "mxfp4")
 # Weight formats the Triton kernels run on CUDA (the others run the PyTorch implementation there).
-TRITON_QUANT = ("none", "mxfp4")
+TRITON_QUANT = ("none", "mxfp4", "fp8_block")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = {"fp8_block": (torch.float8_e4m3fn,), "mxfp4": (torch.uint8,)}

@@ -16,8 +16,8 @@ rows of exactly 0; math in fp32, one rounding at the end. Weight layouts per ``q
 GEMM input quantized per row per 128 columns; ``"mxfp4"``: uint8 packed e2m1 ``[E, rows, cols / 2]`` +
 E8M0 scales ``[E, rows, cols / 32]``, the GEMM input rounded to bf16. Any weight strides.
 
-On CUDA with ``quant="none"`` or ``"mxfp4"`` the Triton kernels run (``moe_extension.kernels``); everywhere
-else the PyTorch implementation below (``expert_gemm1_torch`` / ``expert_gemm2_torch``).
+On CUDA the Triton kernels run for every ``quant`` (``moe_extension.kernels``); elsewhere the PyTorch
+implementation below (``expert_gemm1_torch`` / ``expert_gemm2_torch``).
 """
 
 from __future__ import annotations

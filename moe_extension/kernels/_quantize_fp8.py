@@ -1,0 +1,45 @@
+"""Per-token-group fp8 quantization of activation rows (the fp8 block format's activation rule).
+
+``quantize_fp8_rows(x [M, K] fp32/fp16/bf16, any strides) -> (q [M, K] float8_e4m3fn, s [M, ceil(K / 128)]
+fp32)``: per row and 128-column group ``s = max(amax|x|, 1e-10) / 448``, ``q = e4m3fn(clamp(x / s, -448,
+448))`` (``quantize_fp8_groups``; the same values as ``moe_extension.quant.quantize_fp8_per_token_group``).
+The last group of a row whose K is not a multiple of 128 takes its scale over the columns that exist. One
+launch on the current stream, grid (M, cdiv(K, BLOCK_K)); the fp8 gemm1 reads the result once per output
+tile instead of quantizing its A tile in every tile (see ``fused_experts_triton``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_extension.kernels._weight_formats import quantize_fp8_groups
+
+
+@triton.jit
+def quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm, stride_sm,
+                             BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+    """Row ``program_id(0)``, columns ``program_id(1) * BLOCK_K ..`` (BLOCK_K a multiple of 128)."""
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + m * stride_xm + offs * stride_xk, mask=offs < K, other=0.0)
+    q, s = quantize_fp8_groups(x, PTX)
+    tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    groups = tl.program_id(1) * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
+    tl.store(s_ptr + m * stride_sm + groups, s, mask=groups < tl.cdiv(K, 128))
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, K] float8_e4m3fn, s [M, ceil(K / 128)] fp32)`` of ``x [M, K]`` (module docstring)."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, triton.cdiv(K, 128)), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, s
+    block_k = triton.next_power_of_2(min(1024, triton.cdiv(K, 128) * 128))  # up to 8 groups per program
+    quantize_fp8_rows_kernel[(M, triton.cdiv(K, block_k))](
+        x, q, s, K, x.stride(0), x.stride(1), q.stride(0), s.stride(0), BLOCK_K=block_k, PTX=x.device.type == "cuda",
+        num_warps=4,
+    )
+    return q, s

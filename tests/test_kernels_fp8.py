@@ -1,0 +1,279 @@
+"""fp8 block weights (``quant="fp8_block"``) through the routed-expert Triton kernels, called directly on CPU tensors
+in Triton's interpreter (``PTX=False``): the activation quantization (``quantize_fp8_rows`` and the in-kernel
+``quantize_fp8_groups``) against ``quantize_fp8_per_token_group`` bitwise, ``fused_experts_triton`` on both
+schedules (direct GEMVs; sorted with tail tiles and with a split gemm2) against ``fused_experts_torch`` on the
+same quantized weights, the unfused ``expert_gemm1/2_triton`` against ``expert_gemm1/2_torch``, and the config
+rules of the format.
+
+The contract (DESIGN, "fp8 block quantization"): activations quantized per token per 128 columns (the input of
+the second GEMM too, from the fp32 activation output), products in fp32 with both scales applied per 128-wide K
+block. K and N are not multiples of 128 in most cases (partial blocks and groups). The interpreter's bf16 tl.dot
+is wrong, so the cases use fp32 and fp16 activations; the kernels' fp8 products are exact there (e4m3 values
+held in fp32). What differs from the PyTorch implementation is the order of the fp32 sums (and, for fp16,
+where the intermediate of the unfused path is rounded): an intermediate value near an e4m3 rounding boundary
+can then land on its other side (one e4m3 step), so the outputs agree closely (``TOLS``) but not bitwise.
+
+The GPU (fp8 tensor cores, hardware conversion) is covered by tests/test_fused_experts_fp8_cuda.py.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import moe_extension.kernels._configs as configs
+from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
+from moe_extension.kernels._configs import GemmConfig, MoeConfig
+from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
+from moe_extension.ops import fused_experts_torch
+from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
+from moe_extension.quant import quantize_fp8_block, quantize_fp8_per_token_group
+from tests.test_kernels_mxfp4 import local_ids, poisoned, routing, valid_slots  # noqa: F401  (fixture)
+from tests.utils import INTERPRETED, rel_err
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs the kernels on CPU tensors in Triton's interpreter "
+                                 "(the GPU suite is tests/test_fused_experts_fp8_cuda.py)")
+
+# Kernels against the PyTorch implementation (see the module docstring); measured on these cases: up to 1.2e-5
+# with fp32 activations, 3.5e-4 with fp16 ones (the output's own fp16 rounding is ~3e-4).
+TOLS = {torch.float32: 1e-4, torch.float16: 2e-3}
+
+
+# ------------------------------------------------------------------------------------------ activation quant
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("K", [128, 200, 1000, 1300])
+def test_quantize_fp8_rows_equals_per_token_group_bitwise(dtype, K):
+    """Every row's values and scales as ``quantize_fp8_per_token_group`` computes them (scales bitwise, values
+    equal; a zero's sign aside): random rows at scales from 2^-30 to 2^30 (2^-12 to 2^12 in fp16), a zero row
+    (scale 1e-10 / 448), and a row of exact e4m3 ties (x / s halfway between two e4m3 values), where a rounding
+    off by one ulp would show."""
+    torch.manual_seed(K)
+    span = 12 if dtype == torch.float16 else 30
+    x = torch.randn(7, K) * torch.logspace(-span, span, 7, base=2.0)[:, None]
+    x[3] = 0
+    # Row 5: amax 448 (s = 1), the other values halfway between neighbouring e4m3 values: ties to even.
+    q_all = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    q_pos = q_all[(q_all > 0) & q_all.isfinite()].sort().values
+    mids = (q_pos[:-1] + q_pos[1:]) / 2
+    x[5] = mids[torch.arange(K) % mids.numel()] * torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)
+    x[5, ::128] = 448.0
+    x = x.to(dtype)
+    q, s = quantize_fp8_rows(x)
+    q_ref, s_ref = quantize_fp8_per_token_group(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (7, math.ceil(K / 128))
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.float(), q_ref.float())
+
+
+def test_quantize_fp8_rows_no_rows():
+    q, s = quantize_fp8_rows(torch.empty(0, 300))
+    assert q.shape == (0, 300) and s.shape == (0, 3)
+
+
+# ------------------------------------------------------------------------------------------------ experts
+
+
+def fp8_experts(E, K, N, *, bias=False, transposed=False, seed=0):
+    """Quantized expert stacks (DESIGN's layout): w1 e4m3fn [E, 2N, K] + fp32 w1_scale [E, ceil(2N / 128),
+    ceil(K / 128)], w2 [E, K, N] + w2_scale; per-block magnitudes spread over 2^-3 .. 2^3 so that every block
+    has its own scale; with ``transposed`` weights and scales are .transpose(1, 2) views of [E, cols, rows]
+    storage; fp32 biases."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def stack(rows, cols):
+        w = torch.randn(E, rows, cols, generator=gen) / math.sqrt(cols)
+        spread = 2.0 ** torch.randint(-3, 4, (E, math.ceil(rows / 128), math.ceil(cols / 128)), generator=gen)
+        return quantize_fp8_block(w * spread.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[..., :cols])
+
+    w1, s1 = stack(2 * N, K)
+    w2, s2 = stack(K, N)
+    if transposed:
+        w1, s1, w2, s2 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (w1, s1, w2, s2))
+        assert w1.stride(2) != 1 and w2.stride(2) != 1
+    b1 = torch.randn(E, 2 * N, generator=gen) * 0.5 if bias else None
+    b2 = torch.randn(E, K, generator=gen) * 0.5 if bias else None
+    return w1, s1, w2, s2, b1, b2
+
+
+# Tiles the product accepts for fp8 block (each case checks that sanitize leaves them as they are): 128-column
+# steps and 128-column output tiles (gemm1 quantizes whole groups of its output).
+SORTED = MoeConfig("sorted", 16, GemmConfig(128, 128, 4, 2), GemmConfig(128, 128, 4, 2))
+# block_m 32: partial blocks with <= 16 valid rows run 16-row tail tiles (both GEMMs).
+SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(128, 128, 4, 2, tail_m=16), GemmConfig(128, 128, 4, 2, tail_m=16))
+# gemm2's reduction in two splits of 128 columns, expert-major.
+SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(128, 128, 4, 2, group_m=0),
+                         GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
+DIRECT = MoeConfig("direct", 0, GemmConfig(32, 128, 4, 2), GemmConfig(16, 256, 4, 2))
+CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "direct": DIRECT}
+
+
+def checked_config(name, dtype, N, K, topk) -> MoeConfig:
+    cfg = CONFIGS[name]
+    assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg, "a config the product would run"
+    return cfg
+
+
+# (config, activation, dtype, M, topk, E, K, N, options): the five activations on each schedule, fp32 and fp16,
+# bias, expert_map, on-input router weights (quantized per slot: g x), transposed storage, K / N whole and
+# partial 128-column blocks.
+FUSED_CASES = [
+    ("sorted", "silu", torch.float32, 9, 3, 5, 200, 160, dict(bias=True)),
+    ("sorted", "swigluoai", torch.float16, 12, 2, 6, 256, 96, dict(bias=True, on_input=True, emap=True)),
+    ("sorted", "gelu", torch.float32, 6, 4, 4, 128, 300, dict(emap=True, transposed=True)),
+    ("sorted_tail", "gelu_tanh", torch.float16, 40, 3, 6, 136, 128, dict(bias=True)),
+    ("sorted_tail", "swiglustep", torch.float32, 48, 3, 5, 96, 140, dict(on_input=True, emap=True)),
+    ("sorted_split", "silu", torch.float16, 16, 2, 4, 130, 256, dict(bias=True, emap=True)),
+    ("sorted_split", "swigluoai", torch.float32, 10, 4, 5, 200, 333, dict(bias=True, transposed=True,
+                                                                          on_input=True)),
+    ("direct", "silu", torch.float16, 1, 3, 8, 200, 160, dict(bias=True, emap=True)),
+    ("direct", "swigluoai", torch.float32, 3, 4, 9, 256, 96, dict(bias=True, transposed=True, on_input=True)),
+    ("direct", "gelu", torch.float16, 4, 2, 6, 300, 130, dict(bias=True)),
+    ("direct", "gelu_tanh", torch.float32, 1, 6, 8, 128, 200, dict(emap=True, transposed=True)),
+    ("direct", "swiglustep", torch.float16, 4, 1, 8, 140, 128, dict(bias=True, on_input=True)),
+]
+
+
+def _fused_id(case):
+    cfg, act, dtype, M, topk, E, K, N, opts = case
+    return f"{cfg}-{act}-{str(dtype)[6:]}-M{M}-k{topk}-E{E}-{K}x{N}-" + "".join(sorted(o[0] for o in opts if opts[o]))
+
+
+@interpreted
+@pytest.mark.parametrize("case", FUSED_CASES, ids=_fused_id)
+def test_fused_experts_matches_torch(poisoned, case):  # noqa: F811  (the fixture)
+    """fused_experts_triton(quant="fp8_block") against fused_experts_torch on the same quantized weights; every
+    workspace and the output start NaN-poisoned, router weights of invalid slots are NaN, the last token has no
+    valid slot (exactly 0)."""
+    name, act, dtype, M, topk, E, K, N, opts = case
+    cfg = checked_config(name, dtype, N, K, topk)
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=opts.get("bias", False),
+                                         transposed=opts.get("transposed", False), seed=M * 31 + K + N)
+    g, ids, emap = routing(M, topk, E, emap=opts.get("emap", False), seed=M + E)
+    if name == "sorted_tail":
+        counts = torch.bincount(local_ids(ids, emap, E).flatten() + 1, minlength=E + 1)[1:]
+        assert ((counts > 0) & (counts <= 16)).any() and (counts > 16).any(), "tail tiles and full tiles"
+    x = torch.randn(M, K, dtype=dtype)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, apply_router_weight_on_input=opts.get("on_input", False),
+              alpha=1.702, limit=7.0)
+    out = fused_experts_triton(x, w1, w2, g, ids, act, quant="fp8_block", w1_scale=s1, w2_scale=s2, config=cfg,
+                               **kw)
+    assert out.shape == (M, K) and out.dtype == dtype
+    assert out.isfinite().all(), "every output element written, no NaN from poison or invalid slots"
+    valid = valid_slots(ids, emap, E)
+    assert valid.sum() >= min(M * topk // 3, 3) and (M == 1 or not valid[-1].any())
+    assert (out[~valid.any(dim=1)] == 0).all(), "a token without valid slots gives exactly 0"
+    ref = fused_experts_torch(x, w1, w2, g, ids, act, quant="fp8_block", w1_scale=s1, w2_scale=s2, **kw)
+    assert rel_err(out, ref) <= TOLS[dtype]
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["sorted_split", "direct"])
+def test_fused_experts_deterministic(name):
+    E, K, N, M, topk = 6, 200, 160, 12 if name != "direct" else 2, 3
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=5)
+    g, ids, _ = routing(M, topk, E, seed=3)
+    x = torch.randn(M, K)
+    cfg = checked_config(name, x.dtype, N, K, topk)
+    runs = [fused_experts_triton(x, w1, w2, g, ids, "silu", quant="fp8_block", w1_scale=s1, w2_scale=s2, w1_bias=b1,
+                                 w2_bias=b2, config=cfg) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+@interpreted
+@pytest.mark.parametrize("name,on_input,dtype,transposed", [
+    ("sorted", False, torch.float32, False),
+    ("sorted_tail", True, torch.float16, True),
+    ("direct", False, torch.float16, True),
+    ("direct", True, torch.float32, False),
+])
+def test_expert_gemms_match_torch(name, on_input, dtype, transposed):
+    """The unfused GEMMs (gemm1 without activation: 2N output columns; gemm2 reads [M, topk, N] in slot order
+    and quantizes it as it loads it) against the PyTorch GEMMs on the same quantized weights."""
+    E, K, N, topk = 5, 200, 160, 3
+    M = 1 if name == "direct" else 20
+    cfg = checked_config(name, dtype, N, K, topk)
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, transposed=transposed, seed=7)
+    g, ids, emap = routing(M, topk, E, emap=True, seed=11)
+    g = torch.nan_to_num(g)
+    x = torch.randn(M, K, dtype=dtype)
+    kw = dict(expert_map=emap, topk_weights=g if on_input else None)
+    h = expert_gemm1_triton(x, w1, ids, w1_bias=b1, quant="fp8_block", w1_scale=s1, config=cfg, **kw)
+    h_ref = expert_gemm1_torch(x, w1, ids, w1_bias=b1, quant="fp8_block", w1_scale=s1, **kw)
+    assert h.shape == (M, topk, 2 * N) and rel_err(h, h_ref) <= TOLS[dtype]
+    a = torch.randn(M, topk, N, dtype=dtype)
+    kw = dict(expert_map=emap, topk_weights=None if on_input else g)
+    y = expert_gemm2_triton(a, w2, ids, w2_bias=b2, quant="fp8_block", w2_scale=s2, config=cfg, **kw)
+    y_ref = expert_gemm2_torch(a, w2, ids, w2_bias=b2, quant="fp8_block", w2_scale=s2, **kw)
+    assert y.shape == (M, topk, K) and rel_err(y, y_ref) <= TOLS[dtype]
+    invalid = ~valid_slots(ids, emap, E)
+    assert (h[invalid] == 0).all() and (y[invalid] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M", [1, 3, 16, 64, 256, 1024, 4096, 8192])
+@pytest.mark.parametrize("E,topk,K,N", [(256, 8, 7168, 2048), (64, 6, 2048, 1408), (8, 2, 1000, 333),
+                                        (256, 8, 7168, 256)])
+def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
+    """The configs the product picks for fp8 block on any shape: whole 128-column scale blocks per step, gemm1
+    output tiles of whole 128-column groups (its epilogue quantizes them), blocks of at most FP8_MAX_BLOCK_M rows,
+    no persistent gemm2, and the pipelined tiles within the shared-memory budget."""
+    cfg = configs.get_config(M, E, N, K, topk, dtype, True, True, torch.device("cpu"), "fp8_block")
+    a_esize = torch.empty((), dtype=dtype).element_size()
+    assert cfg.block_m <= configs.FP8_MAX_BLOCK_M
+    for g, mult in ((cfg.gemm1, 2), (cfg.gemm2, 1)):
+        assert not g.persistent
+        if cfg.path == "sorted":
+            assert g.block_k == 128 and g.block_n % 128 == 0
+            assert g.num_stages * (cfg.block_m * a_esize + mult * g.block_n) * g.block_k <= configs.SMEM_BUDGET
+        else:
+            assert g.block_k % 128 == 0
+    assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg
+
+
+def test_sanitize_fp8_fixes_tiles():
+    """Tiles from an older table or a hand-written config come out in the format's rules."""
+    bad = MoeConfig("sorted", 128, GemmConfig(64, 64, 4, 4, tma_weights=True, tma_a=True),
+                    GemmConfig(32, 256, 8, 4, persistent=True, split_k=4))
+    cfg = configs.sanitize(bad, torch.bfloat16, 333, 1000, 8, quant="fp8_block")
+    assert (cfg.gemm1.block_k, cfg.gemm2.block_k) == (128, 128)
+    assert cfg.gemm1.block_n == 128 and cfg.gemm2.block_n == 128
+    assert cfg.block_m == 64 and not cfg.gemm2.persistent
+    assert cfg.gemm2.split_k <= math.ceil(333 / 128)
+    direct = configs.sanitize(dataclasses.replace(bad, path="direct", block_m=0), torch.bfloat16, 333, 1000, 8,
+                              quant="fp8_block")
+    assert direct.gemm1.block_k % 128 == 0 and direct.gemm2.block_k % 128 == 0
+
+
+@interpreted
+@pytest.mark.parametrize("name,act,K,N", [("sorted", "silu", 256, 256), ("sorted_tail", "swigluoai", 384, 128),
+                                          ("sorted_split", "gelu", 256, 384)])
+def test_tma_paths_equal_pointer_loads(monkeypatch, name, act, K, N):
+    """tma_weights=True loads the e4m3 weight tiles through TMA descriptors (``dot_tile``), tma_a=True gathers gemm1's
+    token rows into sorted order quantized (``gather_rows_kernel`` with Q: per-sorted-row scales) and loads gemm2's
+    quantized intermediate by TMA (sm_90+; in the interpreter, forced on): the outputs equal the pointer loads'
+    bitwise (the same quantized values, the same products in the same order), and the paths are really taken."""
+    import moe_extension.kernels.fused_experts as fe
+
+    monkeypatch.setattr(fe, "tma_capable", lambda device: True)
+    E, topk, M = 5, 3, 24
+    base = CONFIGS[name]
+    tma = dataclasses.replace(base, gemm1=dataclasses.replace(base.gemm1, tma_weights=True, tma_a=True),
+                              gemm2=dataclasses.replace(base.gemm2, tma_weights=True, tma_a=True))
+    assert configs.sanitize(tma, torch.float16, N, K, topk, quant="fp8_block") == tma
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=K + N)
+    g, ids, emap = routing(M, topk, E, emap=True, seed=9)
+    x = torch.randn(M, K, dtype=torch.float16)
+    assert fe._weight_desc(w1, 128, tma.gemm1) is not None and fe._weight_desc(w1, 128, base.gemm1) is None
+    assert fe.gathers_rows(x, tma.gemm1, quantize=True) and not fe.gathers_rows(x, base.gemm1, quantize=True)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, quant="fp8_block", w1_scale=s1, w2_scale=s2)
+    ref = fused_experts_triton(x, w1, w2, g, ids, act, config=base, **kw)
+    out = fused_experts_triton(x, w1, w2, g, ids, act, config=tma, **kw)
+    assert out.isfinite().all() and torch.equal(out, ref)
+    assert rel_err(out, fused_experts_torch(x, w1, w2, g, ids, act, **kw)) <= TOLS[torch.float16]
