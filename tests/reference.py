@@ -3,6 +3,7 @@ over tokens and slots (no grouping, nothing shared with the implementation under
 
 - ``topk_softmax_reference(gating_output, topk, renormalize=False)`` -> ``(weights fp64 [M, topk],
   ids int64 [M, topk])``.
+- ``grouped_topk_reference(gating_output, topk, renormalize=False, *, <the grouped_topk keywords>)`` -> the same.
 - ``fused_experts_reference(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", *, <the
   fused_experts keywords>, return_bound=False)`` -> ``out fp64 [M, K]`` (``backend`` is accepted and ignored).
 - ``expert_gemm1_reference`` / ``expert_gemm2_reference`` (the expert_gemm1/2 keywords) -> fp64
@@ -52,6 +53,49 @@ def topk_softmax_reference(gating_output: torch.Tensor, topk: int, renormalize: 
             probs = [v / sum(exps) for v in exps]
             chosen = sorted(range(len(row)), key=lambda i: (-probs[i], i))[:topk]
             weights.append([probs[i] for i in chosen])
+        ids.append(chosen)
+    m = len(logits)
+    return (
+        torch.tensor(weights, dtype=torch.float64).reshape(m, topk),
+        torch.tensor(ids, dtype=torch.int64).reshape(m, topk),
+    )
+
+
+def grouped_topk_reference(gating_output: torch.Tensor, topk: int, renormalize: bool = False, *,
+                           num_expert_group: int = 1, topk_group: int = 1, scoring_func: str = "softmax",
+                           e_score_correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0):
+    """DeepSeek routing, per token: scores s (softmax over E or elementwise sigmoid), choice scores c = s + bias
+    (c = s without one); G contiguous groups, a group scored by the sum of its two largest c with a bias, else
+    its largest c; the topk_group best groups kept (ties: lower group); the topk largest c among their experts
+    (ties: lower id); weights = s of those, divided by their sum with renormalize, times the scaling factor."""
+    logits = gating_output.detach().double().cpu().tolist()
+    bias = None if e_score_correction_bias is None else e_score_correction_bias.detach().double().cpu().tolist()
+    weights, ids = [], []
+    for row in logits:
+        if scoring_func == "softmax":
+            top = max(row)
+            exps = [math.exp(v - top) for v in row]
+            total = sum(exps)
+            scores = [v / total for v in exps]
+        elif scoring_func == "sigmoid":
+            scores = [1 / (1 + math.exp(-v)) if v >= 0 else math.exp(v) / (1 + math.exp(v)) for v in row]
+        else:
+            raise ValueError(f"unknown scoring_func {scoring_func!r}")
+        choice = scores if bias is None else [v + b for v, b in zip(scores, bias)]
+        size = len(row) // num_expert_group
+        members = [list(range(grp * size, (grp + 1) * size)) for grp in range(num_expert_group)]
+        group_scores = []
+        for grp in range(num_expert_group):
+            best = sorted((choice[i] for i in members[grp]), reverse=True)
+            group_scores.append(best[0] + best[1] if bias is not None else best[0])
+        kept = sorted(range(num_expert_group), key=lambda grp: (-group_scores[grp], grp))[:topk_group]
+        candidates = [i for grp in kept for i in members[grp]]
+        chosen = sorted(candidates, key=lambda i: (-choice[i], i))[:topk]
+        picked = [scores[i] for i in chosen]
+        if renormalize:
+            total = sum(picked)
+            picked = [v / total for v in picked]
+        weights.append([v * routed_scaling_factor for v in picked])
         ids.append(chosen)
     m = len(logits)
     return (
