@@ -122,8 +122,8 @@ CASES = {
     "quant": Case("fused_experts", "none", {"quant": lambda a: "int4"}, ValueError,
                   "fused_experts: quant must be one of ('none', 'fp8_block', 'mxfp4'), got 'int4'", True),
     "backend": Case("fused_experts", "none", {"backend": lambda a: "cutlass"}, ValueError,
-                    "fused_experts: backend must be one of ('auto', 'torch', 'triton', 'triton_kernels'), got "
-                    "'cutlass'"),
+                    "fused_experts: backend must be one of ('auto', 'torch', 'triton', 'triton_kernels', 'deep_gemm'), "
+                    "got 'cutlass'"),
     "backend_triton_cpu": Case("fused_experts", "none", {"backend": lambda a: "triton"}, ValueError,
                                "fused_experts: backend='triton' needs CUDA tensors, got hidden_states on cpu", True),
     "backend_tk_cpu": Case("fused_experts", "none", {"backend": lambda a: "triton_kernels"}, ValueError,

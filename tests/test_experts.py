@@ -1,7 +1,8 @@
 """Tests of moe_extension.experts: each class against the independent fp64 reference (tests/reference.py),
-the unfused path against the modular one, LoRA against a hand-written fp64 loop, the DeepGEMM route's
-data flow (with an emulated grouped GEMM on CPU; the real one on a GPU when deep_gemm is importable),
-workspace shapes, problem sizes, the no-copy weight views, capability answers and bad arguments."""
+the unfused path against the modular one, LoRA against a hand-written fp64 loop, TritonOrDeepGemmExperts'
+DeepGEMM route through the op (on a GPU when deep_gemm is importable; the route itself is
+tests/test_backend_deep_gemm.py), workspace shapes, problem sizes, the no-copy weight views, capability answers
+and bad arguments."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from moe_extension.experts import (
     moe_problem_size,
 )
 from moe_extension.experts.base import resize_workspace
-from moe_extension.experts.triton_or_deep_gemm import contiguous_layout, permuted_rows
-from moe_extension.quant import dequantize_fp8_block, quantize_fp8_block, quantize_mxfp4
+from moe_extension.backends.deep_gemm import contiguous_layout, permuted_rows
+from moe_extension.quant import quantize_fp8_block, quantize_mxfp4
 from tests.reference import activation_reference, fused_experts_reference, topk_softmax_reference
 from tests.utils import poison, rel_err
 
@@ -172,23 +173,12 @@ def test_triton_or_deep_gemm_fallback_matches_reference(on_input):
     weights, ids, expert_map = make_routing(M, topk, E, seed=7, with_map=on_input)
     x = make_x(M, K, seed=7)
     experts = build(TritonOrDeepGemmExperts, op)
-    assert not experts.uses_deep_gemm(x)
+    assert not experts.uses_deep_gemm(x, ids, expert_map)
     out = experts.apply(x, weights, ids, expert_map, on_input)
     check_close(out, op, x, weights, ids, "silu", "fp8_block", expert_map, on_input, tol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ DeepGEMM route
-
-
-def emulated_grouped_gemm(a, a_scale, b, b_scale, out, m_indices):
-    """DeepGEMM's contract in plain PyTorch (rows with m_indices < 0 untouched)."""
-    K = a.shape[1]
-    a_deq = a.float() * a_scale.repeat_interleave(128, dim=1)[:, :K]
-    for e in range(b.shape[0]):
-        rows = (m_indices == e).nonzero().squeeze(1)
-        if rows.numel():
-            out[rows] = (a_deq[rows] @ dequantize_fp8_block(b[e], b_scale[e]).T).to(out.dtype)
-    return out
 
 
 @pytest.mark.parametrize("align", [8, 16])
@@ -215,48 +205,6 @@ def test_contiguous_layout(align):
     ]
 
 
-@pytest.mark.parametrize("on_input", [False, True])
-def test_deep_gemm_route_with_emulated_gemm(monkeypatch, on_input):
-    """The DeepGEMM data flow (layout, quantization, gathers, bias, router weight) on CPU."""
-    E, N, K, M, topk = 6, 128, 128, 20, 3
-    op = make_weights(E, N, K, "fp8_block", bias=True, seed=11)
-    weights, ids, expert_map = make_routing(M, topk, E, seed=11, with_map=True)
-    x = make_x(M, K, torch.bfloat16, seed=11)
-    experts = build(TritonOrDeepGemmExperts, op, activation="swigluoai")
-    calls = []
-
-    def gemm(*args):
-        calls.append(args[-1])
-        return emulated_grouped_gemm(*args)
-
-    monkeypatch.setattr(deep_gemm, "m_grouped_fp8_gemm", gemm)
-    monkeypatch.setattr(experts, "alignment", 16)
-    monkeypatch.setattr(experts, "uses_deep_gemm", lambda hidden_states: True)
-    out = experts.apply(x, weights, ids, expert_map, on_input)
-    assert len(calls) == 2 and calls[0].numel() == permuted_rows(M * topk, E, 16)
-    check_close(out, op, x, weights, ids, "swigluoai", "fp8_block", expert_map, on_input, tol=3e-2)
-
-
-def test_deep_gemm_applicability_rule(monkeypatch):
-    monkeypatch.setattr(deep_gemm, "alignment", lambda: 128)
-    x = torch.zeros(128, 256, dtype=torch.bfloat16)
-    w1 = torch.zeros(2, 512, 256, dtype=torch.float8_e4m3fn)
-    w2 = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn)
-    assert deep_gemm.is_applicable(x, w1, w2)
-    assert not deep_gemm.is_applicable(x[:127], w1, w2)  # tokens below the alignment
-    cut = lambda t, dim, n: t.narrow(dim, 0, n).contiguous()  # noqa: E731
-    assert not deep_gemm.is_applicable(cut(x, 1, 192), cut(w1, 2, 192), cut(w2, 1, 192))  # K not a multiple
-    assert not deep_gemm.is_applicable(x, cut(w1, 1, 320), cut(w2, 2, 160))  # N not a multiple
-    assert not deep_gemm.is_applicable(x, w1.view(torch.uint8), w2)  # not e4m3fn
-    assert not deep_gemm.is_applicable(x.float(), w1, w2)  # DeepGEMM writes bf16
-    assert not deep_gemm.is_applicable(x, w1.transpose(1, 2).contiguous().transpose(1, 2), w2)  # not contiguous
-    assert isinstance(deep_gemm.is_available(), bool)
-    if not deep_gemm.is_available():
-        assert deep_gemm.unavailable_reason()
-        with pytest.raises(RuntimeError, match="DeepGEMM is not available"):
-            deep_gemm.m_grouped_fp8_gemm(x, x, w1, w1, x, x)
-
-
 @pytest.mark.cuda
 def test_deep_gemm_route_on_gpu():
     if not deep_gemm.is_available():
@@ -265,12 +213,13 @@ def test_deep_gemm_route_on_gpu():
     op = make_weights(E, N, K, "fp8_block", bias=True, seed=13, device="cuda")
     weights, ids, expert_map = make_routing(M, topk, E, seed=13, with_map=True, device="cuda")
     x = make_x(M, K, torch.bfloat16, seed=13, device="cuda")
-    experts = build(TritonOrDeepGemmExperts, op)
-    assert experts.uses_deep_gemm(x)
+    experts = build(TritonOrDeepGemmExperts, op, backend="deep_gemm")
+    assert experts.uses_deep_gemm(x, ids, expert_map)
     out = experts.apply(x, weights, ids, expert_map)
     check_close(out, op, x, weights, ids, "silu", "fp8_block", expert_map, tol=3e-2)
-    fallback = build(TritonOrDeepGemmExperts, op, allow_deep_gemm=False).apply(x, weights, ids, expert_map)
-    assert rel_err(out, fallback) < 3e-2
+    fallback = build(TritonOrDeepGemmExperts, op, allow_deep_gemm=False)
+    assert not fallback.uses_deep_gemm(x, ids, expert_map)
+    assert rel_err(out, fallback.apply(x, weights, ids, expert_map)) < 3e-2
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
@@ -404,14 +353,15 @@ def test_workspace_shapes():
     assert build(UnfusedOAITritonExperts, op).workspace_shapes(M, N, K, topk, E) == {
         "h": (M * topk, 2 * N), "a": (M * topk, N), "y": (M, topk, K), "output": (M, K)}
     fp8 = build(TritonOrDeepGemmExperts, make_weights(E, 128, 256, "fp8_block"))
-    fp8.allow_deep_gemm = False  # as where DeepGEMM is not importable (the GPU machine may carry it)
-    assert fp8.workspace_shapes(200, 128, 256, topk, E) == {"output": (200, 256)}
-    fp8.allow_deep_gemm = True  # as where DeepGEMM is available
-    R = permuted_rows(200 * topk, E, fp8.alignment)
-    assert R % fp8.alignment == 0 and R >= 200 * topk + E * (fp8.alignment - 1) + fp8.alignment
+    assert fp8.workspace_shapes(200, 128, 256, topk, E) == {"output": (200, 256)}  # CPU weights: PyTorch
+    routes = []
+    fp8._route = lambda M, topk, num_global: routes.append((M, topk, num_global)) or "deep_gemm"  # as on a GPU
+    align = deep_gemm.alignment()
+    R = permuted_rows(200 * topk, E, align)
+    assert R % align == 0 and R >= 200 * topk + E * (align - 1) + align
     assert fp8.workspace_shapes(200, 128, 256, topk, E) == {
-        "h": (R, 256), "a": (200 * topk, 128), "y": (R, 256), "output": (200, 256)}
-    assert fp8.workspace_shapes(fp8.alignment - 1, 128, 256, topk, E) == {"output": (fp8.alignment - 1, 256)}
+        "h": (R, 256), "a": (R, 128), "y": (R, 256), "output": (200, 256)}
+    assert routes == [(200, topk, None)]
     ws = build(UnfusedOAITritonExperts, op).make_workspace(M, topk, torch.float16)
     assert {k: tuple(v.shape) for k, v in ws.items()} == {
         "h": (M * topk, 2 * N), "a": (M * topk, N), "y": (M, topk, K), "output": (M, K)}

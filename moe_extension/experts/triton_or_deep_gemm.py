@@ -1,69 +1,46 @@
-"""TritonOrDeepGemmExperts: fp8 block-quantized experts through DeepGEMM when it applies, else ``fused_experts``.
+"""TritonOrDeepGemmExperts: fp8 block-quantized experts through ``torch.ops.moe_ext.fused_experts(quant="fp8_block")``,
+which runs DeepGEMM's grouped GEMMs or our Triton kernels.
 
-``apply(hidden_states [M, K], topk_weights fp32 [M, topk], topk_ids int [M, topk]) -> [M, K]`` in the dtype
-of ``hidden_states``, with weights held ``[E, in, out]`` float8_e4m3fn and fp32 scales per 128 x 128 block
+``apply(hidden_states [M, K], topk_weights fp32 [M, topk], topk_ids int [M, topk]) -> [M, K]`` in the dtype of
+``hidden_states``, with weights held ``[E, in, out]`` float8_e4m3fn and fp32 scales per 128 x 128 block
 (see ``moe_extension.experts.base``); activations are quantized per token per 128 columns (docs/formats.md).
 
-Route: DeepGEMM's m-grouped contiguous GEMM (``moe_extension.backends.deep_gemm``) when it is importable,
-the tensors are on CUDA and the case meets its rule (M >= alignment, N and K multiples of it, e4m3fn
-weights, contiguous bf16 inputs); otherwise ``torch.ops.moe_ext.fused_experts(quant="fp8_block")``.
+Every call is one call of the op, so the class captures in a CUDA graph and compiles as the op does; the
+DeepGEMM route lives behind the op (``moe_extension.backends.deep_gemm``) and the class shares it and its
+choice (``moe_extension.ops.fused_experts.cuda_route``):
+- ``backend="auto"`` (default): on CUDA DeepGEMM where the device's stored crossover says it is faster for the
+  shape and M (and it is available and applies), our Triton kernels elsewhere; PyTorch on CPU;
+- ``backend="deep_gemm"``: always DeepGEMM (the op's errors where it is unavailable or does not apply);
+- ``"triton"``, ``"torch"``, ``"triton_kernels"``: that backend; ``allow_deep_gemm=False``: never DeepGEMM.
 
-The DeepGEMM route, all on the device with shapes from the inputs only (no host sync):
-1. ``contiguous_layout``: each valid (token, slot) gets a row in a buffer of R rows where every local
-   expert owns a segment padded to the alignment (R is the worst case), invalid slots a trash row;
-   ``m_indices`` labels segment rows with their expert, the rest -1 (not computed).
-2. x quantized per token (per slot with ``apply_router_weight_on_input``: g * x), scattered to the rows;
-   grouped GEMM 1; rows gathered back per slot, + b1; the native activation op; quantized; scattered;
-   grouped GEMM 2; gathered, + b2, times g; invalid slots 0; summed over the slots in fp32.
+DeepGEMM reads K-major contiguous weights: ``[E, out, in]`` storage, the ops' layout. When the route may run
+for these weights (DeepGEMM available, weights on CUDA, N and K multiples of its alignment, and
+``backend="deep_gemm"`` or a crossover stored for the shape), the constructor prepares that storage once
+(``prepare_deep_gemm_layout``): held stacks and scales that are not ``[E, in, out]`` views of it are copied
+into it and held as the same views, so no call copies a weight. The Triton kernels read either layout.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_extension.backends import deep_gemm
-from moe_extension.experts.base import ExpertsBase, Shape, _cdiv, gated_activation
-from moe_extension.experts.unfused import slot_experts
-from moe_extension.quant import FP8_BLOCK, quantize_fp8_per_token_group
+from moe_extension.backends import crossover, deep_gemm
+from moe_extension.experts.base import BACKENDS, ExpertsBase, Shape
+from moe_extension.ops.fused_experts import cuda_route
+
+_BACKENDS = (*BACKENDS, deep_gemm.NAME)
 
 
-def permuted_rows(num_slots: int, num_experts: int, align: int) -> int:
-    """Rows of the contiguous layout: every expert's segment padded to ``align``, plus one trash block."""
-    return _cdiv(num_slots + num_experts * (align - 1), align) * align + align
-
-
-def contiguous_layout(
-    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, align: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepGEMM's contiguous layout of the slots of ``topk_ids [M, topk]``.
-
-    Returns ``dest [M*topk]`` int64 (the row of each slot; invalid slots share the trash row R - align),
-    ``m_indices [R]`` int32 (expert of each row of a segment, -1 elsewhere), and per slot the local
-    expert (clamped, int64) and validity, both ``[M*topk]``.
-    """
-    local, valid = slot_experts(topk_ids, expert_map, num_experts)
-    local, valid = local.reshape(-1), valid.reshape(-1)
-    device, E = local.device, num_experts
-    S = local.numel()
-    R = permuted_rows(S, E, align)
-    key = torch.where(valid, local, E)  # invalid slots sort after every expert
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:E] + align - 1) // align * align
-    seg_end = torch.cumsum(padded, 0)
-    seg_start = seg_end - padded
-    first = torch.cumsum(counts, 0) - counts  # first sorted position of each key
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    rank = torch.arange(S, device=device) - first[sorted_key]
-    dest_sorted = torch.where(sorted_key < E, seg_start[sorted_key.clamp(max=E - 1)] + rank, R - align)
-    dest = torch.empty_like(dest_sorted).scatter_(0, order, dest_sorted)
-    label = torch.searchsorted(seg_end, torch.arange(R, device=device), right=True)
-    m_indices = torch.where(label < E, label, -1).to(torch.int32)
-    return dest, m_indices, local, valid
+def prepare_deep_gemm_layout(t: torch.Tensor) -> torch.Tensor:
+    """A held stack ``[E, in, out]`` as a view of contiguous ``[E, out, in]`` storage (DeepGEMM's K-major
+    layout): ``t`` itself when it already is one, else one copy, returned as the same view."""
+    if t.transpose(1, 2).is_contiguous():
+        return t
+    return t.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
 
 
 class TritonOrDeepGemmExperts(ExpertsBase):
-    """fp8 block experts: DeepGEMM grouped GEMMs when applicable, ``fused_experts`` otherwise."""
+    """fp8 block experts: one ``fused_experts`` call, DeepGEMM or our Triton kernels behind it."""
 
     _QUANT_SCHEMES = ("fp8_block",)
     _DEFAULT_ACTIVATION = "silu"
@@ -83,35 +60,65 @@ class TritonOrDeepGemmExperts(ExpertsBase):
         backend: str = "auto",
         allow_deep_gemm: bool = True,
     ) -> None:
+        name = type(self).__name__
+        if not isinstance(backend, str) or backend not in _BACKENDS:
+            raise ValueError(f"{name}: backend must be one of {_BACKENDS}, got {backend!r}")
+        if not isinstance(allow_deep_gemm, bool):
+            raise TypeError(f"{name}: allow_deep_gemm must be a bool, got {type(allow_deep_gemm).__name__}")
+        if backend == deep_gemm.NAME and not allow_deep_gemm:
+            raise ValueError(f"{name}: backend='deep_gemm' and allow_deep_gemm=False contradict each other")
         super().__init__(
             w1, w2, w1_bias=w1_bias, w2_bias=w2_bias, quant="fp8_block", w1_scale=w1_scale, w2_scale=w2_scale,
-            activation=activation, alpha=alpha, limit=limit, backend=backend,
+            activation=activation, alpha=alpha, limit=limit, backend="auto" if backend == deep_gemm.NAME else backend,
         )
-        if not isinstance(allow_deep_gemm, bool):
-            raise TypeError(f"{type(self).__name__}: allow_deep_gemm must be a bool, got {type(allow_deep_gemm).__name__}")
-        # Availability and alignment are settled here, outside any traced call.
+        self.backend = backend
+        # Availability and the weight layout are settled here, outside any traced or captured call.
         self.allow_deep_gemm = allow_deep_gemm and deep_gemm.is_available()
-        self.alignment = deep_gemm.alignment()
-        self._dg_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self._deep_gemm_may_run():
+            self.w1, self.w2, self.w1_scale, self.w2_scale = (
+                prepare_deep_gemm_layout(t) for t in (self.w1, self.w2, self.w1_scale, self.w2_scale)
+            )
 
-    def uses_deep_gemm(self, hidden_states: torch.Tensor) -> bool:
-        """Whether ``apply(hidden_states, ...)`` takes the DeepGEMM route."""
-        if not (self.allow_deep_gemm and hidden_states.is_cuda):
+    def _deep_gemm_may_run(self) -> bool:
+        """Whether any call may take the DeepGEMM route (module docstring): then its layout is prepared."""
+        if not (self.allow_deep_gemm and self.w1.is_cuda and self.backend in ("auto", deep_gemm.NAME)):
             return False
-        weights = self.op_weights()
-        return deep_gemm.is_applicable(hidden_states, weights["w1"], weights["w2"])
+        E, N, K = self.num_experts, self.intermediate_size, self.hidden_size
+        if N % deep_gemm.granule() or K % deep_gemm.granule():
+            return False
+        return self.backend == deep_gemm.NAME or crossover.min_rows_per_expert(
+            crossover.device_name(self.w1.device), "fp8_block", deep_gemm.NAME, E, N, K) is not None
 
-    def _deep_gemm_shape(self, M: int, N: int, K: int) -> bool:
-        align = self.alignment
-        return self.allow_deep_gemm and M >= align and N % align == 0 and K % align == 0
+    def _op_backend(self, on_cuda: bool) -> str:
+        """The ``backend`` the class passes to the op: its own, or "triton" for "auto" when DeepGEMM is not
+        allowed on CUDA (the op's "auto" minus DeepGEMM)."""
+        if self.backend == "auto" and on_cuda and not self.allow_deep_gemm:
+            return "triton"
+        return self.backend
+
+    def _route(self, M: int, topk: int, num_global_experts: int | None) -> str:
+        """The implementation the op runs for a call of this shape: ``cuda_route``'s answer, "torch" for
+        weights off CUDA."""
+        if not self.w1.is_cuda:
+            return "torch"
+        w = self.op_weights()
+        return cuda_route(self._op_backend(True), "fp8_block", M, topk, num_global_experts, w["w1"], w["w2"],
+                          w["w1_scale"], w["w2_scale"])
+
+    def uses_deep_gemm(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                       expert_map: torch.Tensor | None = None) -> bool:
+        """Whether ``apply(hidden_states, ..., topk_ids, expert_map)`` takes the DeepGEMM route."""
+        num_global = None if expert_map is None else expert_map.shape[0]
+        return self._route(hidden_states.shape[0], topk_ids.shape[1], num_global) == deep_gemm.NAME
 
     def workspace_shapes(self, M: int, N: int, K: int, topk: int, E: int) -> dict[str, Shape]:
-        if not self._deep_gemm_shape(M, N, K):
+        """``{"output": (M, K)}``; where M tokens take the DeepGEMM route (weights on CUDA, no expert_map), also
+        the row buffers the route allocates for itself: ``h (R, 2N)``, ``a (R, N)``, ``y (R, K)`` with
+        ``R = deep_gemm.permuted_rows(M * topk, E, alignment)``."""
+        if self._route(M, topk, None) != deep_gemm.NAME:
             return {"output": (M, K)}
-        # Pessimistic: rows for every expert's padded segment. The fp8 copies of the GEMM inputs
-        # ([R, K] and [R, N], one byte per element) come on top of these.
-        R = permuted_rows(M * topk, E, self.alignment)
-        return {"h": (R, 2 * N), "a": (M * topk, N), "y": (R, K), "output": (M, K)}
+        R = deep_gemm.permuted_rows(M * topk, E, deep_gemm.alignment())
+        return {"h": (R, 2 * N), "a": (R, N), "y": (R, K), "output": (M, K)}
 
     def apply(
         self,
@@ -125,81 +132,10 @@ class TritonOrDeepGemmExperts(ExpertsBase):
     ) -> torch.Tensor:
         """``out[t] = sum_j topk_weights[t, j] * FFN_{topk_ids[t, j]}(hidden_states[t])``, fp8 block weights."""
         self._check_call(hidden_states, topk_weights, self._routing_shape(topk_weights, topk_ids), expert_map)
-        if self.uses_deep_gemm(hidden_states):
-            result = self.apply_deep_gemm(hidden_states, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
-        else:
-            weights = self.op_weights()
-            result = torch.ops.moe_ext.fused_experts(
-                hidden_states,
-                weights["w1"],
-                weights["w2"],
-                topk_weights,
-                topk_ids,
-                self.activation,
-                **self._op_kwargs(expert_map, apply_router_weight_on_input),
-            )
-        return self._into(result, output)
-
-    def _deep_gemm_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # NOTE: DeepGEMM reads block scales [E, out/128, in/128] contiguous; the held scales are the
-        # transposed layout, so they are copied once (E * 2N * K / 16384 floats, a few MB at most) and kept.
-        if self._dg_scales is None:
-            self._dg_scales = (
-                self.w1_scale.transpose(1, 2).contiguous(),
-                self.w2_scale.transpose(1, 2).contiguous(),
-            )
-        return self._dg_scales
-
-    def apply_deep_gemm(
-        self,
-        hidden_states: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        expert_map: torch.Tensor | None,
-        apply_router_weight_on_input: bool,
-    ) -> torch.Tensor:
-        """The DeepGEMM route (module docstring); callers check ``uses_deep_gemm`` first."""
-        M, K = hidden_states.shape
-        topk = topk_ids.size(1)
-        E, N, S = self.num_experts, self.intermediate_size, M * topk
-        device, dtype = hidden_states.device, hidden_states.dtype
         weights = self.op_weights()
-        w1_scale, w2_scale = self._deep_gemm_scales()
-        dest, m_indices, local, valid = contiguous_layout(topk_ids, expert_map, E, self.alignment)
-        R = m_indices.numel()
-        gates = topk_weights.float().reshape(S, 1)
-
-        def scatter_quantized(x: torch.Tensor, rows_from: torch.Tensor | None, width: int):
-            # NOTE: the fp8 bytes move as uint8 (index_put on float8 is not implemented everywhere).
-            q, s = quantize_fp8_per_token_group(x, FP8_BLOCK)
-            if rows_from is not None:
-                q, s = q.index_select(0, rows_from), s.index_select(0, rows_from)
-            buf_q = torch.empty((R, width), dtype=torch.uint8, device=device)
-            buf_s = torch.empty((R, s.size(1)), dtype=torch.float32, device=device)
-            buf_q[dest] = q.view(torch.uint8)
-            buf_s[dest] = s
-            return buf_q.view(torch.float8_e4m3fn), buf_s
-
-        if apply_router_weight_on_input:
-            x_slots = (hidden_states.float().unsqueeze(1) * gates.view(M, topk, 1)).reshape(S, K)
-            a1q, a1s = scatter_quantized(x_slots, None, K)
-        else:
-            token_of_slot = torch.arange(S, device=device) // topk
-            a1q, a1s = scatter_quantized(hidden_states, token_of_slot, K)
-        h_rows = torch.empty((R, 2 * N), dtype=torch.bfloat16, device=device)
-        deep_gemm.m_grouped_fp8_gemm(a1q, a1s, weights["w1"], w1_scale, h_rows, m_indices)
-        h = h_rows[dest]
-        if self.w1_bias is not None:
-            h = (h.float() + self.w1_bias[local]).to(torch.bfloat16)
-        a = torch.empty((S, N), dtype=torch.bfloat16, device=device)
-        gated_activation(self.activation, a, h, self.alpha, self.limit)
-        a2q, a2s = scatter_quantized(a, None, N)
-        y_rows = torch.empty((R, K), dtype=torch.bfloat16, device=device)
-        deep_gemm.m_grouped_fp8_gemm(a2q, a2s, weights["w2"], w2_scale, y_rows, m_indices)
-        y = y_rows[dest].float()
-        if self.w2_bias is not None:
-            y = y + self.w2_bias[local]
-        if not apply_router_weight_on_input:
-            y = y * gates
-        y = torch.where(valid.unsqueeze(1), y, 0.0)
-        return y.view(M, topk, K).sum(dim=1).to(dtype)
+        kwargs = self._op_kwargs(expert_map, apply_router_weight_on_input)
+        kwargs["backend"] = self._op_backend(hidden_states.is_cuda)
+        result = torch.ops.moe_ext.fused_experts(
+            hidden_states, weights["w1"], weights["w2"], topk_weights, topk_ids, self.activation, **kwargs
+        )
+        return self._into(result, output)

@@ -8,9 +8,16 @@ input is scaled instead: ``sum_j FFN_e(g * x)``. Shapes: ``hidden_states [M, K]`
 fp32, ``expert_map [E_global]`` int32 (global id -> local id, -1 = not local). Invalid slots contribute
 exactly 0. Math in fp32, one rounding at the end.
 
-Backends: ``"auto"`` (CUDA with quant "none" or "mxfp4": the Triton kernels; otherwise PyTorch), ``"torch"``,
-``"triton"`` (CUDA, quant "none" or "mxfp4"), ``"triton_kernels"`` (OpenAI's matmul_ogs; CUDA, quant "none" or
-"mxfp4", optional).
+Backends (``cuda_route`` picks the CUDA implementation from shapes only; the CPU runs PyTorch):
+- ``"auto"``: on CUDA our Triton kernels (every ``quant`` in ``TRITON_QUANT``), except that with
+  ``quant="fp8_block"`` DeepGEMM's grouped GEMMs run where the device's stored crossover says they are faster
+  for this shape and M and they are available and apply (``moe_extension.backends.deep_gemm.auto_prefers``;
+  no crossover stored for the device: never);
+- ``"torch"``: the PyTorch implementation; ``"triton"``: our Triton kernels (CUDA);
+- ``"triton_kernels"``: OpenAI's matmul_ogs (CUDA, quant "none" or "mxfp4", optional);
+- ``"deep_gemm"``: the DeepGEMM route (CUDA, quant "fp8_block", optional): RuntimeError with the reason where
+  DeepGEMM is not available, ValueError naming the rule where it does not apply (``check_deep_gemm``).
+
 ``fused_experts_torch`` is the PyTorch implementation: slots grouped by expert, one GEMM pair per
 active expert, only the active experts' weights dequantized.
 """
@@ -19,11 +26,12 @@ from __future__ import annotations
 
 import torch
 
+from moe_extension.backends import deep_gemm
 from moe_extension.ops.activations import ACTIVATIONS, activation_torch
 from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES, ArgChecker
 from moe_extension.ops.expert_gemm import ExpertWeights, gemm_input, group_by_expert
 
-BACKENDS = ("auto", "torch", "triton", "triton_kernels")
+BACKENDS = ("auto", "torch", "triton", "triton_kernels", "deep_gemm")
 
 
 def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, expert_map, quant, w1_scale, w2_scale,
@@ -33,14 +41,15 @@ def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, exper
     c.name("activation", activation, ACTIVATIONS)
     c.name("quant", quant, QUANT_FORMATS)
     c.name("backend", backend, BACKENDS)
-    if backend in ("triton", "triton_kernels"):
+    if backend not in ("auto", "torch"):
+        supported = {"deep_gemm": ("fp8_block",), "triton_kernels": ("none", "mxfp4")}.get(backend, TRITON_QUANT)
         torch._check_value(
             hidden_states.device.type == "cuda",
             lambda: f"{op}: backend={backend!r} needs CUDA tensors, got hidden_states on {hidden_states.device}",
         )
         torch._check_value(
-            quant in TRITON_QUANT,
-            lambda: f"{op}: backend={backend!r} supports quant in {TRITON_QUANT}, got quant={quant!r} "
+            quant in supported,
+            lambda: f"{op}: backend={backend!r} supports quant in {supported}, got quant={quant!r} "
             "(use backend='auto' or 'torch')",
         )
     c.rank("hidden_states", hidden_states, FLOAT_DTYPES, "[M, K]")
@@ -60,7 +69,39 @@ def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, exper
     c.bias("w1_bias", w1_bias, "[E, 2N]", (e, 2 * n))
     c.bias("w2_bias", w2_bias, "[E, K]", (e, k))
     c.expert_map(expert_map)
+    if backend == "deep_gemm":
+        check_deep_gemm(op, w1, w2, w1_scale, w2_scale)
     return c, (m, k, n, e)
+
+
+def check_deep_gemm(op: str, w1, w2, w1_scale, w2_scale) -> None:
+    """``backend="deep_gemm"``: DeepGEMM available (else RuntimeError with its reason) and its route applicable
+    to these weights (else ValueError naming the rules that fail); at trace time too, by the fake."""
+    reason = deep_gemm.unavailable_reason()
+    torch._check(
+        reason is None,
+        lambda: f"{op}: backend='deep_gemm' needs DeepGEMM, which is not available here: {reason} "
+        "(backend='auto' runs our Triton kernels without it)",
+    )
+    rules = deep_gemm.inapplicable_reasons(w1, w2, w1_scale, w2_scale)
+    torch._check_value(
+        not rules,
+        lambda: f"{op}: backend='deep_gemm' does not apply to these weights: {'; '.join(rules)} "
+        "(backend='auto' picks an implementation that does)",
+    )
+
+
+def cuda_route(backend: str, quant: str, M: int, topk: int, num_global_experts: int | None, w1, w2, w1_scale,
+               w2_scale) -> str:
+    """The implementation a CUDA call of fused_experts runs for ``M`` tokens, ``topk`` slots and
+    ``num_global_experts`` (the expert_map's length; None without one): "triton", "torch", "triton_kernels" or
+    "deep_gemm" (the module docstring's backends). Shapes, dtypes and the cached crossover only: no host sync."""
+    if backend in ("torch", "triton_kernels", "deep_gemm"):
+        return backend
+    if backend == "auto" and quant == "fp8_block" and deep_gemm.auto_prefers(M, topk, num_global_experts, w1, w2,
+                                                                             w1_scale, w2_scale):
+        return "deep_gemm"
+    return "triton" if quant in TRITON_QUANT else "torch"
 
 
 def check_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, w2_bias, expert_map,
@@ -144,7 +185,9 @@ def _fused_experts_cuda(hidden_states, w1, w2, topk_weights, topk_ids, activatio
                         quant, w1_scale, w2_scale, backend)
     common = {"w1_bias": w1_bias, "w2_bias": w2_bias, "expert_map": expert_map,
               "apply_router_weight_on_input": apply_router_weight_on_input, "alpha": alpha, "limit": limit}
-    if backend == "triton_kernels":
+    route = cuda_route(backend, quant, hidden_states.shape[0], topk_ids.shape[1],
+                       None if expert_map is None else expert_map.shape[0], w1, w2, w1_scale, w2_scale)
+    if route == "triton_kernels":
         from moe_extension.backends import triton_kernels
 
         if not triton_kernels.is_available():
@@ -155,7 +198,10 @@ def _fused_experts_cuda(hidden_states, w1, w2, topk_weights, topk_ids, activatio
         if quant != "none":
             common.update(quant=quant, w1_scale=w1_scale, w2_scale=w2_scale)
         return triton_kernels.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation, **common)
-    if backend == "torch" or quant not in TRITON_QUANT:
+    if route == "deep_gemm":
+        return deep_gemm.fused_experts_deep_gemm(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                                 w1_scale=w1_scale, w2_scale=w2_scale, **common)
+    if route == "torch":
         return _fused_experts_compute(hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias, w2_bias,
                                       expert_map, apply_router_weight_on_input, quant, w1_scale, w2_scale, alpha,
                                       limit)
