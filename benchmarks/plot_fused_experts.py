@@ -4,8 +4,9 @@ One panel per model; x = tokens M (log scale), y = µs per call (log scale); our
 torch._grouped_mm pipeline as lines with markers, the hardware floor dashed. Null cells (a peer that is not
 installed, failed its check or raised) are left out of their line. A ``--quant mxfp4`` result
 (``fused_experts_mxfp4_<gpu>.json``, ``"quant": "mxfp4"``) is charted the same way with its columns: ours and
-triton_kernels on MXFP4 weights, ours on the bf16 copies, and its floor (4.25-bit weights). Needs matplotlib;
-runs without a GPU.
+triton_kernels on MXFP4 weights, ours on the bf16 copies, and its floor (4.25-bit weights); a
+``bench_fused_experts_fp8.py`` result (``"quant": "fp8_block"``, panels per shape) with ours (auto and Triton), the
+DeepGEMM route, vLLM's Triton kernel and its floor. Needs matplotlib; runs without a GPU.
 """
 
 from __future__ import annotations
@@ -27,14 +28,23 @@ MXFP4_SERIES = (
     ("floor_us", "floor (4.25-bit weights / copy BW, flops / bf16 GEMM peak)", dict(linestyle="--", color="black")),
 )
 
+FP8_SERIES = (
+    ("ours_auto_us", "ours (moe_ext), default backend", dict(marker="o", linewidth=2.0, color="tab:blue")),
+    ("ours_triton_us", "ours, Triton kernels", dict(marker="x", color="tab:cyan")),
+    ("deep_gemm_us", "DeepGEMM route (backend='deep_gemm')", dict(marker="s", color="tab:red")),
+    ("vllm_us", "vLLM Triton fused_moe_kernel (w8a8 block)", dict(marker="^", color="tab:green")),
+    ("floor_us", "floor (fp8 bytes / copy BW, flops / fp8 GEMM peak)", dict(linestyle="--", color="black")),
+)
+
 
 def series_for(result: dict) -> tuple:
-    """The lines to draw for a result file (the bf16 run's, or the ``--quant mxfp4`` run's)."""
-    return MXFP4_SERIES if result.get("quant") == "mxfp4" else SERIES
+    """The lines to draw for a result file (the bf16 run's, the ``--quant mxfp4`` run's or the fp8 run's)."""
+    return {"mxfp4": MXFP4_SERIES, "fp8_block": FP8_SERIES}.get(result.get("quant"), SERIES)
 
 
 def weights_caption(result: dict) -> str:
-    return "MXFP4 weights, bf16 activations" if result.get("quant") == "mxfp4" else "bf16"
+    return {"mxfp4": "MXFP4 weights, bf16 activations",
+            "fp8_block": "fp8 block weights, bf16 activations"}.get(result.get("quant"), "bf16")
 
 
 def plot(result: dict, out: Path) -> Path:
@@ -43,16 +53,18 @@ def plot(result: dict, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(row["model"] for row in result["rows"]))
+    panel = "shape" if result.get("quant") == "fp8_block" else "model"
+    models = list(dict.fromkeys(row[panel] for row in result["rows"]))
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        rows = sorted((r for r in result["rows"] if r["model"] == model), key=lambda r: r["M"])
+        rows = sorted((r for r in result["rows"] if r[panel] == model), key=lambda r: r["M"])
         for key, label, style in series_for(result):
             points = [(r["M"], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), label=label, **style)
         shape = rows[0]
-        ax.set_title(f"{model}\nE {shape['E']}, topk {shape['topk']}, K {shape['K']}, N {shape['N']}")
+        local = f" ({shape['local_experts']} local)" if shape.get("local_experts", shape["E"]) != shape["E"] else ""
+        ax.set_title(f"{model}\nE {shape['E']}{local}, topk {shape['topk']}, K {shape['K']}, N {shape['N']}")
         ax.set_xscale("log", base=2)
         ax.set_xticks([r["M"] for r in rows], [str(r["M"]) for r in rows])
         ax.set_yscale("log")
