@@ -31,7 +31,7 @@ def _row(m, auto, peers, floor=100.0):
 
 def test_summary_counts_cells_and_targets():
     rows = [_row(1, 150.0, (150.0, 300.0, 140.0)),  # behind vllm
-            _row(64, 110.0, (111.0, None, 120.0)),  # a null peer is not compared
+            _row(64, 110.0, (100.0, None, 120.0)),  # a null peer is not compared; ours_triton is not a peer
             _row(4096, 500.0, (None, None, None), floor=400.0),
             _row(16, None, (100.0, 100.0, 100.0))]  # ours not timed: not counted
     s = bench.summarize(rows, dict(TFLOPs=412.0))

@@ -181,17 +181,14 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
                      num_sms: int = 132, quant: str = "none") -> MoeConfig:
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
-    if use_direct(M, E, topk):
+    # NOTE: fp8 block always takes the sorted schedule (16-row tensor-core tiles): its GEMVs dequantize every
+    # weight in fp32. DeepSeek-V3 layer on the H100, M = 1: direct 180.8 us, sorted 150.2; M = 4: 656.6 against
+    # 499.3; its 32-expert shard at M = 1: 204.9 against 62.2 (bench_fused_experts_fp8.py --tokens 1 4).
+    if use_direct(M, E, topk) and quant != "fp8_block":
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
-        cfg = _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
-                                tile=8192 if quant in ("mxfp4", "fp8_block") else None)
-        if quant == "fp8_block" and w1_row:
-            # NOTE: 1-byte rows: 512-column steps (512 B per row, as a bf16 row of 256), DeepSeek-V3 layer at M = 1
-            # on the H100: 196 -> 184 us (16 x 256 -> 16 x 512 gemv1 tiles; bench_fused_experts_fp8.py --tokens 1).
-            cfg = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, block_k=min(512, max(
-                128, triton_next_pow2(K)))))
-        return cfg
+        return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
+                                 tile=8192 if quant == "mxfp4" else None)
     rows = P / max(expected_hit_experts(P, E), 1.0)
     # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
     # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
