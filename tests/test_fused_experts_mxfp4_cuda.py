@@ -34,7 +34,7 @@ from moe_extension.quant import dequantize_mxfp4
 from tests.reference import random_expert_map
 from tests.test_fused_experts_cuda import _routing
 from tests.test_kernels_mxfp4 import DECODE_SCALES, assert_bitwise_with_nans, decode_case, run_decode
-from tests.utils import assert_graph_replays_match_eager, rel_err
+from tests.utils import assert_graph_replays_match_eager, entry_point_call, entry_point_inputs, rel_err
 
 cuda = pytest.mark.cuda
 
@@ -331,19 +331,6 @@ GRAPH_SHAPE = dict(E=16, topk=4, K=256, N=192)
 ENTRY_POINTS = ("fused_experts", "fused_moe", "expert_gemm1", "expert_gemm2")
 
 
-def _graph_inputs(M, gen, op):
-    """Fresh inputs of one call: hidden states (or gemm2's intermediate) and routing with invalid ids (logits for
-    fused_moe, over E + 2 global experts of which 2 are not local)."""
-    E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
-    if op == "fused_moe":
-        return [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen),
-                torch.randn(M, E + 2, device="cuda", generator=gen)]
-    g, ids = _routing(M, E + 2, topk, True, gen)
-    if op == "expert_gemm2":
-        return [torch.randn(M, topk, N, device="cuda", dtype=torch.bfloat16, generator=gen), g, ids]
-    return [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen), g, ids]
-
-
 @cuda
 @pytest.mark.parametrize("op", ENTRY_POINTS)
 @pytest.mark.parametrize("M", [1, 8, 64, 512])
@@ -355,26 +342,12 @@ def test_cuda_graph_replays_match_eager(op, M):
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, s1, w2, s2, b1, b2 = _experts(E, K, N, gen, bias=True, transposed=op == "expert_gemm2")
     emap = random_expert_map(E + 2, E, device="cuda")  # two global ids are not local (-1)
-    mx = dict(quant="mxfp4")
+    call = entry_point_call(op, "mxfp4", "swigluoai", topk, (w1, s1, w2, s2, b1, b2), emap)
 
-    def call(inputs):
-        if op == "fused_moe":
-            x, logits = inputs
-            return torch.ops.moe_ext.fused_moe(x, w1, w2, logits, topk, True, "swigluoai", w1_bias=b1, w2_bias=b2,
-                                               expert_map=emap, w1_scale=s1, w2_scale=s2, **mx)
-        if op == "fused_experts":
-            x, g, ids = inputs
-            return torch.ops.moe_ext.fused_experts(x, w1, w2, g, ids, "swigluoai", w1_bias=b1, w2_bias=b2,
-                                                   expert_map=emap, w1_scale=s1, w2_scale=s2, **mx)
-        if op == "expert_gemm1":
-            x, g, ids = inputs
-            return torch.ops.moe_ext.expert_gemm1(x, w1, ids, w1_bias=b1, expert_map=emap, topk_weights=g,
-                                                  w1_scale=s1, **mx)
-        a, g, ids = inputs
-        return torch.ops.moe_ext.expert_gemm2(a, w2, ids, w2_bias=b2, expert_map=emap, topk_weights=g, w2_scale=s2,
-                                              **mx)
+    def fresh():
+        return entry_point_inputs(op, M, E, topk, K, N, _routing, gen)
 
-    assert_graph_replays_match_eager(call, _graph_inputs(M, gen, op), lambda: _graph_inputs(M, gen, op), finite=True)
+    assert_graph_replays_match_eager(call, fresh(), fresh, finite=True)
 
 
 # ------------------------------------------------------------------------------------------------- determinism, compile
