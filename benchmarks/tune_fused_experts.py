@@ -31,6 +31,13 @@ take: no TMA weight tiles and no persistent gemm2 (both need 16-bit weights), TM
 sorted intermediate. Configs are sanitized for MXFP4, the end-to-end timings and the check run
 ``fused_experts_triton(..., quant="mxfp4", w1_scale, w2_scale)``, and the entries go under the key with
 ``,quant=mxfp4`` (``table_key(..., "mxfp4")``).
+
+``--quant fp8_block``: fp8 block weights (e4m3 values of about N(0, 16) with fp32 scales per 128 x 128 block;
+default model deepseek-v3). The search takes fp8's own tiles (block_k 128, 128-column outputs, at most 64
+rows per block: ``sanitize``'s rules), each with and without TMA weight tiles and TMA rows (gemm1: its token rows
+gathered and quantized into sorted order; gemm2: its quantized intermediate). gemm1 is timed as the fused path
+runs it (x quantized up front unless the rows are gathered, output stored quantized) and gemm2 on quantized
+rows; the entries go under ``,quant=fp8_block``.
 """
 
 from __future__ import annotations
@@ -54,11 +61,14 @@ MODELS = {
     "qwen3-30b-a3b": dict(E=128, topk=8, K=2048, N=768),
     "mixtral-8x7b": dict(E=8, topk=2, K=4096, N=14336),
     "gpt-oss-20b": dict(E=32, topk=4, K=2880, N=2880),
+    "deepseek-v3": dict(E=256, topk=8, K=7168, N=2048),
+    "deepseek-v2-lite": dict(E=64, topk=6, K=2048, N=1408),
 }
 # --models by --quant: the three bf16 benchmark models; for MXFP4 the gpt-oss models, whose experts ship in it
 DEFAULT_MODELS = {
     "none": ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"),
     "mxfp4": ("gpt-oss-120b", "gpt-oss-20b"),
+    "fp8_block": ("deepseek-v3",),
 }
 MXFP4_QUANTIZE_CHUNK = 8  # experts quantized at a time (fp32 temporaries of ~0.5 GB per 8 gpt-oss W1s)
 TOKENS = (1, 16, 64, 256, 1024, 4096)
@@ -70,12 +80,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--quant", choices=("none", "mxfp4"), default="none",
-                   help="expert weight format: 'none' = weights in --dtype; 'mxfp4' = MXFP4 weights, --dtype "
-                        "activations (default: %(default)s)")
+    p.add_argument("--quant", choices=("none", "mxfp4", "fp8_block"), default="none",
+                   help="expert weight format: 'none' = weights in --dtype; 'mxfp4' / 'fp8_block' = quantized "
+                        "weights, --dtype activations (default: %(default)s)")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
                    help=f"models to tune (default: {' '.join(DEFAULT_MODELS['none'])}; with --quant mxfp4 "
-                        f"{' '.join(DEFAULT_MODELS['mxfp4'])})")
+                        f"{' '.join(DEFAULT_MODELS['mxfp4'])}; with --quant fp8_block "
+                        f"{' '.join(DEFAULT_MODELS['fp8_block'])})")
     p.add_argument("--shape", nargs=4, type=int, action="append", metavar=("E", "TOPK", "K", "N"), default=[],
                    help="extra expert shape to tune (repeatable)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="M buckets (default: %(default)s)")
@@ -170,6 +181,26 @@ def mxfp4_gemm2_candidates(block_m: int, small: bool):
     return [G(256, 64, 8, 3), G(128, 64, 8, 4), G(128, 64, 4, 4), G(256, 64, 4, 3)]
 
 
+def fp8_gemm1_candidates(block_m: int):
+    """gemm1 tiles for fp8 block weights: 128 x (2 x 128) weight rows per 128-column step (the heuristic's tile
+    first), deeper pipelines and L2 super-groups."""
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    warps = 8 if block_m >= 64 else 4
+    return [G(128, 128, warps, 3, group_m=0), G(128, 128, warps, 4, group_m=0), G(128, 128, warps, 3, group_m=8),
+            G(128, 128, 4 if warps == 8 else 8, 3, group_m=0)]
+
+
+def fp8_gemm2_candidates(block_m: int, small: bool):
+    """gemm2 (+ slot sum) tiles for fp8 block weights; ``small`` (few row blocks) adds split reductions."""
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    base = [G(128, 128, 4, 4), G(128, 128, 4, 3), G(256, 128, 8, 3), G(128, 128, 8, 3)]
+    if small:
+        base += [dataclasses.replace(base[0], split_k=2), dataclasses.replace(base[0], split_k=4)]
+    return base
+
+
 def with_tma(candidates, weights_only: bool = False, quant: str = "none"):
     """Each candidate with pointer loads and with TMA loads of the weight tiles and the A rows (gemm2: its
     sorted rows; gemm1: the token rows copied into sorted order, the copy timed with it); with
@@ -181,6 +212,9 @@ def with_tma(candidates, weights_only: bool = False, quant: str = "none"):
     if quant == "mxfp4":
         return list(candidates) if weights_only else [
             g for c in candidates for g in (c, dataclasses.replace(c, tma_a=True))]
+    if quant == "fp8_block":  # every combination: TMA weights and TMA rows each pay on some shapes
+        return [dataclasses.replace(c, tma_weights=w, tma_a=a) for c in candidates for w in (True, False)
+                for a in (False, True)]
     loads = [(True, True)] + ([(True, False)] if weights_only else [])
     return [g for c in candidates for g in [c] + [dataclasses.replace(c, tma_weights=w, tma_a=a) for w, a in loads]]
 
@@ -194,6 +228,9 @@ def sorted_candidates(block_m: int, small: bool, dtype, N: int, K: int, quant: s
     if quant == "none":
         g1s = with_tma(gemm1_candidates(block_m), weights_only=True)
         g2s = with_tma(gemm2_candidates(block_m, small))
+    elif quant == "fp8_block":
+        g1s = with_tma(fp8_gemm1_candidates(block_m), quant=quant)
+        g2s = with_tma(fp8_gemm2_candidates(block_m, small), quant=quant)
     else:
         g1s = with_tma(mxfp4_gemm1_candidates(block_m), weights_only=True, quant=quant)
         g2s = with_tma(mxfp4_gemm2_candidates(block_m, small), quant=quant)
@@ -300,6 +337,25 @@ def make_mxfp4_weights(E, K, N, layout):
     return w1, w2
 
 
+def make_fp8_weights(E, K, N, layout):
+    """(w1, w2) as ``WeightOperand(q, scales, "fp8_block")``: e4m3 values of about N(0, 16) (``[E, 2N, K]`` /
+    ``[E, K, N]``, converted 16 experts at a time) and fp32 scales of 1 / (16 sqrt(cols)) times 2^[-1, 1] per
+    128 x 128 block; contiguous ('linear') or transposed views of ``[E, cols, rows]`` storage, scales alike."""
+    from moe_extension.kernels._weight_formats import WeightOperand
+
+    def stack(rows, cols):
+        q = torch.empty((E, rows, cols), dtype=torch.float8_e4m3fn, device=DEVICE)
+        for i in range(0, E, 16):
+            q[i:i + 16] = (torch.randn((min(16, E - i), rows, cols), device=DEVICE) * 16).to(torch.float8_e4m3fn)
+        s = 2.0 ** (torch.rand((E, -(-rows // 128), -(-cols // 128)), device=DEVICE) * 2 - 1)
+        s = s / (16 * math.sqrt(cols))
+        if layout != "linear":
+            q, s = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, s))
+        return WeightOperand(q, s, "fp8_block")
+
+    return stack(2 * N, K), stack(K, N)
+
+
 def weight_quant(w) -> str:
     """The ``quant`` of a weight stack as the launchers take it: a tensor (dense) or a ``WeightOperand``."""
     from moe_extension.kernels._weight_formats import WEIGHT_FORMATS, WeightOperand
@@ -355,18 +411,37 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
     from moe_extension.kernels._configs import MoeConfig, sanitize
     from moe_extension.kernels._routing import route
 
+    from moe_extension.kernels._configs import FP8_MAX_BLOCK_M
+    from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
+
     quant = weight_quant(w1)
+    fp8 = quant == "fp8_block"
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     best = None
-    for bm in block_m_candidates(M, E, topk):
+    bms = block_m_candidates(M, E, topk)
+    if fp8:
+        bms = sorted({min(bm, FP8_MAX_BLOCK_M) for bm in bms})
+    # fp8 block: x quantized up front (as the fused path does unless gemm1 gathers its rows), the
+    # intermediate stored quantized (e4m3 rows + scales per 128 columns)
+    xq = [quantize_fp8_rows(x) if fp8 else (x, None) for x, _, _ in sets]
+    for bm in bms:
         routings = [route(ids, E, bm) for _, _, ids in sets]
         t_route = time_us(lambda i: route(sets[i % n][2], E, bm), n)
         a_ws = [torch.randn(r.max_blocks * bm, N, dtype=dtype, device=device) for r in routings]
+        a_scales = [None] * n
+        if fp8:
+            a_ws = [a.to(torch.float8_e4m3fn) for a in a_ws]
+            a_scales = [torch.full((a.shape[0], math.ceil(N / 128)), 1e-2, device=device) for a in a_ws]
 
         def time_g1(g1):
-            t = time_us(lambda i: fe._gemm1_sorted(sets[i % n][0], w1, None, a_ws[i % n], True, routings[i % n],
-                                                   topk, act, None, 1.702, 7.0, g1), n)
+            def run1(i):
+                j = i % n
+                x, x_scale = (sets[j][0], None) if fp8 and fe.gathers_rows(sets[j][0], g1, quantize=True) else xq[j]
+                fe._gemm1_sorted(x, w1, None, a_ws[j], True, routings[j], topk, act, None, 1.702, 7.0, g1,
+                                 x_scale=x_scale, out_scale=a_scales[j])
+
+            t = time_us(run1, n)
             print(f"    bm {bm:3d} gemm1 {tile_name(g1)}: {t:9.1f} us")
             return t
 
@@ -384,7 +459,8 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
                 if persistent:
                     fe._gemm2_persistent(a_ws[j], w2, None, ys[j], routings[j], topk, sets[j][1], g2)
                 else:
-                    fe._gemm2_sorted(a_ws[j], True, w2, None, ys[j], routings[j], topk, sets[j][1], g2)
+                    fe._gemm2_sorted(a_ws[j], True, w2, None, ys[j], routings[j], topk, sets[j][1], g2,
+                                     a_scale=a_scales[j])
                 fe._sum_slots(ys[j], routings[j].inverse, outs[j], topk)
 
             t = time_us(run2, n)
@@ -448,7 +524,8 @@ def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     finalists = []
-    if use_direct(M, E, topk) or M <= 4:
+    # fp8 block: the sorted schedule only (its GEMVs lose at decode too: the NOTE in heuristic_config)
+    if quant != "fp8_block" and (use_direct(M, E, topk) or M <= 4):
         d = tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row)
         if d:
             finalists.append(d[1])
@@ -507,6 +584,8 @@ def main(argv=None) -> int:
         entry = configs.setdefault(key, {})
         if args.quant == "mxfp4":
             w1, w2 = make_mxfp4_weights(E, K, N, args.weight_layout)
+        elif args.quant == "fp8_block":
+            w1, w2 = make_fp8_weights(E, K, N, args.weight_layout)
         else:
             w1, w2 = make_weights(E, K, N, dtype, args.weight_layout)
         for M in args.tokens:

@@ -62,7 +62,9 @@ def test_options_quant_and_default_models():
                             "--shape", "8", "2", "64", "96"])
     assert (args.models, args.weight_layout, args.shape) == (["qwen3-30b-a3b"], "transposed", [[8, 2, 64, 96]])
     assert tune.parse_args(["--models", "gpt-oss-20b"]).models == ["gpt-oss-20b"]
-    for argv in (["--quant", "fp8_block"], ["--quant", "mxfp4", "--shape", "8", "2", "64", "40"],
+    assert tune.parse_args(["--quant", "fp8_block"]).models == ["deepseek-v3"]
+    assert tune.MODELS["deepseek-v3"] == dict(E=256, topk=8, K=7168, N=2048)
+    for argv in (["--quant", "int4"], ["--quant", "mxfp4", "--shape", "8", "2", "64", "40"],
                  ["--models", "gpt-oss-7b"]):
         with pytest.raises(SystemExit):
             tune.parse_args(argv)
@@ -83,6 +85,39 @@ def test_mxfp4_candidates(block_m, small):
     want1, want2 = H100_MXFP4_TILES[16 if block_m <= 32 else block_m]  # block_m 32 takes block_m 16's tiles
     assert set(want1) <= {_tile(g) for g in g1s} and set(want2) <= {_tile(g) for g in g2s}
     assert any(g.split_k > 1 for g in g2s) == (small and block_m <= 32)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("small", [False, True])
+def test_fp8_candidates(block_m, small):
+    """fp8 block: 128-column steps and outputs, at most 64 rows per block, every TMA combination; each candidate
+    as sanitize leaves it (sanitize caps block_m 128 to 64: the tuner times 64 then)."""
+    bm = min(block_m, 64)
+    g1s, g2s = tune.sorted_candidates(bm, small, torch.bfloat16, 2048, 7168, "fp8_block")
+    for gs, which in ((g1s, "gemm1"), (g2s, "gemm2")):
+        assert gs and len(set(gs)) == len(gs)
+        assert all(g.block_k == 128 and g.block_n % 128 == 0 and not g.persistent for g in gs)
+        assert {(g.tma_weights, g.tma_a) for g in gs} == {(w, a) for w in (False, True) for a in (False, True)}
+        for g in gs:
+            cfg = MoeConfig("sorted", bm, g, g)
+            assert getattr(sanitize(cfg, torch.bfloat16, 2048, 7168, 8, "fp8_block"), which) == g
+    assert any(g.split_k > 1 for g in g2s) == small
+
+
+@pytest.mark.parametrize("layout", ["linear", "transposed"])
+def test_fp8_weights_layouts(monkeypatch, layout):
+    from moe_extension.quant import dequantize_fp8_block
+
+    monkeypatch.setattr(tune, "DEVICE", DEVICE)
+    torch.manual_seed(0)
+    w1, w2 = tune.make_fp8_weights(3, 300, 200, layout)  # scales of 2+ blocks each way: layouts tell apart
+    for w, (rows, cols) in ((w1, (400, 300)), (w2, (300, 200))):
+        assert isinstance(w, WeightOperand) and w.shape == (3, rows, cols) and tune.weight_quant(w) == "fp8_block"
+        assert w.w.dtype == torch.float8_e4m3fn and w.scale.shape == (3, -(-rows // 128), -(-cols // 128))
+        assert w.w.is_contiguous() == (layout == "linear")
+        assert w.w.transpose(1, 2).is_contiguous() == w.scale.transpose(1, 2).is_contiguous() == (layout != "linear")
+        values = dequantize_fp8_block(w.w, w.scale)
+        assert bool(values.isfinite().all()) and 0.4 < float(values.std() * cols ** 0.5) < 2.5
 
 
 def test_with_tma_of_mxfp4():
@@ -154,19 +189,21 @@ def fake_gpu(monkeypatch):
 ONE_TILE = dict(mxfp4_gemm1_candidates=lambda block_m: [GemmConfig(32, 64, 4, 3)],
                 mxfp4_gemm2_candidates=lambda block_m, small: [GemmConfig(32, 64, 4, 3)],
                 gemm1_candidates=lambda block_m: [GemmConfig(32, 32, 4, 3)],
-                gemm2_candidates=lambda block_m, small: [GemmConfig(32, 32, 4, 3)])
+                gemm2_candidates=lambda block_m, small: [GemmConfig(32, 32, 4, 3)],
+                fp8_gemm1_candidates=lambda block_m: [GemmConfig(128, 128, 4, 2)],
+                fp8_gemm2_candidates=lambda block_m, small: [GemmConfig(128, 128, 4, 2)])
 
 
-@pytest.mark.parametrize("quant, layout", [("mxfp4", "transposed"), ("none", "linear")])
+@pytest.mark.parametrize("quant, layout", [("mxfp4", "transposed"), ("none", "linear"), ("fp8_block", "linear")])
 def test_run_writes_the_key_of_the_format(fake_gpu, monkeypatch, tmp_path, capsys, quant, layout):
-    # fp16 for the dense run: the interpreter's bf16 dot is wrong (MXFP4 multiplies in fp32 there)
+    # fp16 for the dense and fp8 runs: the interpreter's bf16 dot is wrong (MXFP4 multiplies in fp32 there)
     dtype = torch.bfloat16 if quant == "mxfp4" else torch.float16
     for name, fn in ONE_TILE.items():
         monkeypatch.setattr(tune, name, fn)
     weights = []
-    make = tune.make_mxfp4_weights if quant == "mxfp4" else tune.make_weights
-    monkeypatch.setattr(tune, "make_mxfp4_weights" if quant == "mxfp4" else "make_weights",
-                        lambda *a: weights.append(make(*a)) or weights[-1])
+    maker = {"mxfp4": "make_mxfp4_weights", "fp8_block": "make_fp8_weights"}.get(quant, "make_weights")
+    make = getattr(tune, maker)
+    monkeypatch.setattr(tune, maker, lambda *a: weights.append(make(*a)) or weights[-1])
     persistent_asked = []
     real_ok = fe._persistent_gemm2_ok
     monkeypatch.setattr(fe, "_persistent_gemm2_ok", lambda *a: persistent_asked.append(a) or real_ok(*a))
@@ -179,14 +216,14 @@ def test_run_writes_the_key_of_the_format(fake_gpu, monkeypatch, tmp_path, capsy
     assert "REJECTED" not in out and "skipped" not in out
     linear = layout == "linear"
     key = table_key(E, N, K, topk, dtype, linear, linear, quant)
-    assert key.endswith(",quant=mxfp4") == (quant == "mxfp4")
+    assert key.endswith(f",quant={quant}") == (quant != "none")
     table = json.loads((tmp_path / "Fake_GPU.json").read_text())
     assert list(table["configs"]) == [key] and list(table["configs"][key]) == ["16"]
     cfg = MoeConfig.from_json(table["configs"][key]["16"])
     assert cfg.path == "sorted" and sanitize(cfg, dtype, N, K, topk, quant) == cfg
     ((w1, w2),) = weights
-    if quant == "mxfp4":
-        assert not persistent_asked, "the persistent gemm2 is not asked about MXFP4 weights"
+    if quant != "none":
+        assert not persistent_asked, "the persistent gemm2 is not asked about quantized weights"
         assert isinstance(w1, WeightOperand) and w1.w.stride(2) == (1 if linear else 2 * N)
     else:
         assert persistent_asked
