@@ -69,18 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fp8_weights(torch, e: int, rows: int, cols: int):
-    """Random fp8 block stack: e4m3 values of about N(0, 16) and fp32 scales of ~1 / (16 sqrt(cols)) per 128 x 128
-    block (2^[-1, 1] around it), ``[e, rows, cols]`` contiguous."""
-    gen = torch.Generator(device=DEVICE).manual_seed(rows * 7 + cols)
-    q = torch.empty((e, rows, cols), dtype=torch.float8_e4m3fn, device=DEVICE)
-    for i in range(0, e, 16):  # bf16 temporaries of <= 16 experts
-        q[i:i + 16] = (torch.randn((min(16, e - i), rows, cols), dtype=torch.bfloat16, device=DEVICE,
-                                   generator=gen) * 16).to(torch.float8_e4m3fn)
-    s = 2.0 ** (torch.rand((e, -(-rows // 128), -(-cols // 128)), device=DEVICE, generator=gen) * 2 - 1)
-    return q, s / (16 * math.sqrt(cols))
-
-
 def fp8_gemm_peak(torch, harness, n: int = 8192) -> float:
     """Dense fp8 (e4m3) ``n x n x n`` GEMM rate in FLOP/s through ``torch._scaled_mm`` (bf16 out)."""
     a = torch.randn(n, n, device=DEVICE).to(torch.float8_e4m3fn)
@@ -130,8 +118,8 @@ def main(argv=None) -> int:
     for shape_name in args.shapes:
         shape = SHAPES[shape_name]
         E, topk, K, N, local = shape["E"], shape["topk"], shape["K"], shape["N"], shape["local"]
-        w1, s1 = fp8_weights(torch, local, 2 * N, K)
-        w2, s2 = fp8_weights(torch, local, K, N)
+        w1, s1 = harness.random_fp8_block_stack(local, 2 * N, K, DEVICE)
+        w2, s2 = harness.random_fp8_block_stack(local, K, N, DEVICE)
         emap = None
         if local < E:
             emap = torch.full((E,), -1, dtype=torch.int32, device=DEVICE)

@@ -137,3 +137,20 @@ def random_mxfp4_stack(e: int, rows: int, cols: int, device, chunk: int = 8, wit
         if dense is not None:
             dense[lo:hi] = dequantize_mxfp4(packed[lo:hi], scales[lo:hi]).to(torch.bfloat16)
     return packed, scales, dense
+
+
+def random_fp8_block_stack(e: int, rows: int, cols: int, device, seed: int | None = None, chunk: int = 16):
+    """``(q float8_e4m3fn [e, rows, cols], s fp32 [e, ceil(rows/128), ceil(cols/128)])``, an fp8 block weight
+    stack for benchmarks: e4m3 values of about N(0, 16) (bf16 normals times 16, converted ``chunk`` experts at a
+    time) and per 128 x 128 block a scale of 1 / (16 sqrt(cols)) times 2^U(-1, 1), so that the weights are about
+    N(0, 1 / cols) and the blocks' scales differ; drawn from a generator seeded with ``seed`` (default
+    ``rows * 7 + cols``)."""
+    import math
+
+    gen = torch.Generator(device=device).manual_seed(rows * 7 + cols if seed is None else seed)
+    q = torch.empty((e, rows, cols), dtype=torch.float8_e4m3fn, device=device)
+    for lo in range(0, e, chunk):
+        q[lo:lo + chunk] = (torch.randn((min(chunk, e - lo), rows, cols), dtype=torch.bfloat16, device=device,
+                                        generator=gen) * 16).to(torch.float8_e4m3fn)
+    s = 2.0 ** (torch.rand((e, -(-rows // 128), -(-cols // 128)), device=device, generator=gen) * 2 - 1)
+    return q, s / (16 * math.sqrt(cols))

@@ -3,8 +3,8 @@ device's tuned-config JSON, where ``fused_experts(backend="auto")`` reads it.
 
 For each shape (E, topk, K, N) and token count M it times, by CUDA-graph replay over rotated random routings
 (``tune_fused_experts.time_us``: ``harness.time_graph_us`` medians; every token picks topk distinct experts,
-``torch.rand(M, E).topk``), bf16 hidden states, silu, random fp8 block weights (normal / sqrt(cols) quantized
-with ``quantize_fp8_block``, contiguous ``[E, 2N, K]`` / ``[E, K, N]``):
+``torch.rand(M, E).topk``), bf16 hidden states, silu, random fp8 block weights
+(``harness.random_fp8_block_stack``, contiguous ``[E, 2N, K]`` / ``[E, K, N]``):
 
 - ``torch.ops.moe_ext.fused_experts(..., quant="fp8_block", backend="triton")`` and
 - the same with ``backend="deep_gemm"``,
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -53,7 +52,6 @@ ACTIVATION = "silu"
 QUANT = "fp8_block"
 ACCELERATOR = "deep_gemm"
 TOLERANCE = 1e-2
-QUANTIZE_CHUNK = 8  # experts quantized at a time (fp32 temporaries of ~1 GB for 8 DeepSeek-V3 W1s)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,32 +154,12 @@ def write_table(path: Path, device_name: str, entries: dict, measured_with: dict
 
 
 def make_fp8_weights(E: int, K: int, N: int, device):
-    """``(w1 [E, 2N, K], w2 [E, K, N])`` float8_e4m3fn contiguous and their fp32 block scales, from random
-    normal / sqrt(cols) weights quantized QUANTIZE_CHUNK experts at a time."""
-    import torch
+    """``(w1 [E, 2N, K], w2 [E, K, N])`` float8_e4m3fn contiguous and their fp32 block scales
+    (``harness.random_fp8_block_stack``)."""
+    import harness
 
-    from moe_extension.quant import quantize_fp8_block
-
-    def stack(rows, cols):
-        q = torch.empty((E, rows, cols), dtype=torch.float8_e4m3fn, device=device)
-        s = torch.empty((E, -(-rows // 128), -(-cols // 128)), dtype=torch.float32, device=device)
-        for lo in range(0, E, QUANTIZE_CHUNK):
-            hi = min(E, lo + QUANTIZE_CHUNK)
-            w = torch.randn((hi - lo, rows, cols), device=device).mul_(1.0 / math.sqrt(cols))
-            q[lo:hi], s[lo:hi] = quantize_fp8_block(w)
-            del w
-        return q, s
-
-    (w1, s1), (w2, s2) = stack(2 * N, K), stack(K, N)
+    (w1, s1), (w2, s2) = (harness.random_fp8_block_stack(E, rows, cols, device) for rows, cols in ((2 * N, K), (K, N)))
     return w1, w2, s1, s2
-
-
-def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in fp64; inf when out is not finite."""
-    out, ref = out.double(), ref.double()
-    if not bool(out.isfinite().all()):
-        return math.inf
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def measure_point(weights, sets, E: int, topk: int, M: int) -> dict:
@@ -198,6 +176,8 @@ def measure_point(weights, sets, E: int, topk: int, M: int) -> dict:
         x, g, ids = sets[i % n]
         return torch.ops.moe_ext.fused_experts(x, w1, w2, g, ids, ACTIVATION, quant=QUANT, w1_scale=s1, w2_scale=s2,
                                                backend=backend)
+
+    from bench_fused_experts import rel_err
 
     err = rel_err(call(ACCELERATOR, 0), call("triton", 0))
     triton_us = time_us(lambda i: call("triton", i), n)

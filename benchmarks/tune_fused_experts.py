@@ -338,17 +338,14 @@ def make_mxfp4_weights(E, K, N, layout):
 
 
 def make_fp8_weights(E, K, N, layout):
-    """(w1, w2) as ``WeightOperand(q, scales, "fp8_block")``: e4m3 values of about N(0, 16) (``[E, 2N, K]`` /
-    ``[E, K, N]``, converted 16 experts at a time) and fp32 scales of 1 / (16 sqrt(cols)) times 2^[-1, 1] per
-    128 x 128 block; contiguous ('linear') or transposed views of ``[E, cols, rows]`` storage, scales alike."""
+    """(w1, w2) as ``WeightOperand(q, scales, "fp8_block")`` of ``harness.random_fp8_block_stack`` stacks
+    (``[E, 2N, K]`` / ``[E, K, N]``, fp32 scales per 128 x 128 block); contiguous ('linear') or transposed views
+    of ``[E, cols, rows]`` storage, scales alike."""
+    import harness
     from moe_extension.kernels._weight_formats import WeightOperand
 
     def stack(rows, cols):
-        q = torch.empty((E, rows, cols), dtype=torch.float8_e4m3fn, device=DEVICE)
-        for i in range(0, E, 16):
-            q[i:i + 16] = (torch.randn((min(16, E - i), rows, cols), device=DEVICE) * 16).to(torch.float8_e4m3fn)
-        s = 2.0 ** (torch.rand((E, -(-rows // 128), -(-cols // 128)), device=DEVICE) * 2 - 1)
-        s = s / (16 * math.sqrt(cols))
+        q, s = harness.random_fp8_block_stack(E, rows, cols, DEVICE)
         if layout != "linear":
             q, s = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, s))
         return WeightOperand(q, s, "fp8_block")

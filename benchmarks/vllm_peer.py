@@ -25,7 +25,7 @@ Quantization: ``quant="none"`` (activations and weights in the dtype of ``x``) o
 quantized per token per 128 columns before it). The activation quantizer is
 ``moe_extension.kernels._quantize_fp8.quantize_fp8_rows`` on CUDA (one Triton launch, like vLLM's
 ``per_token_group_quant_fp8``) and ``moe_extension.quant.quantize_fp8_per_token_group`` (plain torch, the same
-values) elsewhere or when the former is absent; ``act_quant="torch"`` forces the latter; ``act_quant_impl`` names
+values) elsewhere; ``act_quant="torch"`` forces the latter; ``act_quant_impl`` names
 the one in use.
 
 Timing entry points: ``full(x, topk_weights, topk_ids)`` (alignment + quantization + both GEMMs + activation +
@@ -55,6 +55,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import torch
+import triton
 
 import moe_extension  # noqa: F401  (registers torch.ops.moe_ext)
 
@@ -377,7 +378,7 @@ class VllmFusedMoE:
                 em = min(em, rows * top_k * bm)
         else:
             em = rows * top_k * bm
-        grid = (triton_cdiv(em, bm) * triton_cdiv(B.size(1), bn),)
+        grid = (triton.cdiv(em, bm) * triton.cdiv(B.size(1), bn),)
         two_d_scale = A_scale is not None and A_scale.dim() == 2
         args = dict(
             a_ptr=A, b_ptr=B, c_ptr=C, b_bias_ptr=bias, a_scale_ptr=A_scale, b_scale_ptr=B_scale,
@@ -472,21 +473,14 @@ class VllmFusedMoE:
 
 def _activation_quantizer(on_gpu: bool):
     """``(fn, name)``: ``x [rows, cols] -> (q e4m3fn, s fp32 [rows, ceil(cols / 128)])``. On the GPU our one-launch
-    Triton quantizer when this checkout has it, else the plain-torch one (same values)."""
+    Triton quantizer, else the plain-torch one (same values)."""
     if on_gpu:
-        try:
-            from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
+        from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 
-            return quantize_fp8_rows, "moe_extension.kernels._quantize_fp8.quantize_fp8_rows"
-        except ImportError:
-            pass
+        return quantize_fp8_rows, "moe_extension.kernels._quantize_fp8.quantize_fp8_rows"
     from moe_extension.quant import quantize_fp8_per_token_group
 
     return quantize_fp8_per_token_group, "moe_extension.quant.quantize_fp8_per_token_group"
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _fit_signature(params, args: dict) -> dict:
