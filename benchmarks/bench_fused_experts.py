@@ -28,9 +28,11 @@ anywhere).
 gpt-oss-120b (E 128, topk 4, K = N = 2880) and gpt-oss-20b (E 32, same K, N), same token counts, routing,
 activation and timing, biases only with ``--bias`` (like the bf16 run, which passes none). Columns:
 
-- ``ours``: ``torch.ops.moe_ext.fused_experts(..., quant="mxfp4", w1_scale, w2_scale)``, default backend;
+- ``ours``: ``torch.ops.moe_ext.fused_experts(..., quant="mxfp4_mma", w1_scale, w2_scale)``, default backend, on
+  the weights prepared once outside the timing (``moe_extension.quant.mxfp4_mma.prepare_mxfp4_mma``);
 - ``triton_kernels``: matmul_ogs on the same MXFP4 weights, prepared once outside the timing
   (``moe_extension.backends.triton_kernels.prepare_mxfp4``: vLLM's gpt-oss layouts), routing in the timing;
+- ``ours_checkpoint``: the op with ``quant="mxfp4"`` on the checkpoint layout (no preparation);
 - ``ours_bf16``: the op (default backend) on the same weights dequantized once to bf16, for reference.
 
 The weights are random normal / sqrt(cols), quantized on the GPU (in chunks of experts) with
@@ -66,7 +68,7 @@ TOKENS = (1, 16, 64, 256, 1024, 4096)
 ACTIVATION = "swigluoai"
 TOLERANCE = 1e-2
 IMPLS = ("ours", "triton_kernels", "grouped_mm")
-MXFP4_IMPLS = ("ours", "triton_kernels", "ours_bf16")
+MXFP4_IMPLS = ("ours", "triton_kernels", "ours_checkpoint", "ours_bf16")
 TARGET_GEOMEAN, TARGET_MAX = 1.25, 2.0
 MXFP4_TARGET_GEOMEAN, MXFP4_TARGET_M1 = 1.35, 1.8
 MXFP4_WEIGHT_BITS = 4.25  # 4-bit e2m1 values + one 8-bit E8M0 scale per 32 weights
@@ -262,7 +264,10 @@ def main(argv=None) -> int:
 
 
 def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> int:
-    """``--quant mxfp4``: ours, triton_kernels (prepared MXFP4 weights) and ours on bf16 copies; see the docstring."""
+    """``--quant mxfp4``: ours (MMA layout), triton_kernels (prepared MXFP4 weights), ours on the checkpoint layout
+    and on bf16 copies; see the docstring."""
+    from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
+
     bias_note = "fp32 biases" if args.bias else "no biases"
     print(f"activation {ACTIVATION} for every model and implementation; MXFP4 weights, bf16 activations, "
           f"{bias_note}; random routing (rand(M, E).topk); weights {args.weight_layout}; CUDA-graph replay medians")
@@ -285,6 +290,9 @@ def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> in
             biases = {"w1_bias": torch.randn(e, 2 * n, device=DEVICE) * 0.1,
                       "w2_bias": torch.randn(e, k, device=DEVICE) * 0.1}
         mx = dict(quant="mxfp4", w1_scale=w["w1_scale"], w2_scale=w["w2_scale"], **biases)
+        q1, t1 = prepare_mxfp4_mma(w["w1"], w["w1_scale"])  # once, outside the timing (weight-load time)
+        q2, t2 = prepare_mxfp4_mma(w["w2"], w["w2_scale"])
+        mma = dict(quant="mxfp4_mma", w1_scale=t1, w2_scale=t2, **biases)
         expert_bytes = (2 * n * k + k * n) * MXFP4_WEIGHT_BITS / 8
         prepared, prepare_error = None, None
         if "triton_kernels" not in unavailable:
@@ -302,9 +310,11 @@ def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> in
             return tk_backend.fused_experts(x, *prepared, weights, ids, ACTIVATION, quant="mxfp4", **biases)
 
         impls = {
-            "ours": lambda x, weights, ids: torch.ops.moe_ext.fused_experts(x, w["w1"], w["w2"], weights, ids,
-                                                                            ACTIVATION, **mx),
+            "ours": lambda x, weights, ids: torch.ops.moe_ext.fused_experts(x, q1, q2, weights, ids, ACTIVATION,
+                                                                            **mma),
             "triton_kernels": peer_tk,
+            "ours_checkpoint": lambda x, weights, ids: torch.ops.moe_ext.fused_experts(x, w["w1"], w["w2"], weights,
+                                                                                       ids, ACTIVATION, **mx),
             "ours_bf16": lambda x, weights, ids: torch.ops.moe_ext.fused_experts(x, w["w1_bf16"], w["w2_bf16"],
                                                                                  weights, ids, ACTIVATION, **biases),
         }
@@ -316,7 +326,7 @@ def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> in
         for m in args.tokens:
             rows.append(run_cell(torch, harness, impls, reference, unavailable, model, shape, m, expert_bytes,
                                  copy_bw, gemm_peak))
-        del w, biases, mx, prepared, impls, reference, peer_tk
+        del w, biases, mx, mma, q1, q2, t1, t2, prepared, impls, reference, peer_tk
         torch.cuda.empty_cache()
 
     summary = summarize_mxfp4(rows)
@@ -333,7 +343,10 @@ def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> in
                    dtype="bfloat16 activations; MXFP4 weights (e2m1 + E8M0 per 32, quantize_mxfp4 of randn/sqrt(cols))",
                    biases=bool(args.bias), weight_layout=args.weight_layout, weight_bits=MXFP4_WEIGHT_BITS,
                    columns={
-                       "ours": "torch.ops.moe_ext.fused_experts(..., quant='mxfp4'), default backend",
+                       "ours": "torch.ops.moe_ext.fused_experts(..., quant='mxfp4_mma') on weights prepared once "
+                               "(prepare_mxfp4_mma), default backend",
+                       "ours_checkpoint": "torch.ops.moe_ext.fused_experts(..., quant='mxfp4') on the checkpoint "
+                                          "layout, default backend",
                        "triton_kernels": "matmul_ogs on MXFP4 weights prepared once (prepare_mxfp4, vLLM's gpt-oss "
                                          "layouts), routing included",
                        "ours_bf16": "torch.ops.moe_ext.fused_experts on the same weights dequantized to bf16, "
@@ -450,6 +463,7 @@ def summarize_mxfp4(rows) -> dict:
     s.update(
         geomean_triton_kernels_over_floor=_geomean_over_floor(rows, "triton_kernels"),
         geomean_ours_bf16_over_floor=_geomean_over_floor(rows, "ours_bf16"),
+        geomean_ours_checkpoint_over_floor=_geomean_over_floor(rows, "ours_checkpoint"),
         m1_ours_over_floor=m1,
         max_m1_ours_over_floor=max(m1.values()) if m1 else None,
         targets=dict(ours_le_triton_kernels="every cell", geomean_ours_over_floor=MXFP4_TARGET_GEOMEAN,
@@ -491,7 +505,7 @@ def print_table(rows, summary, names=IMPLS, caption="bf16") -> None:
 def print_mxfp4_targets(s) -> None:
     m1 = ", ".join(f"{model} {ratio:.3f}" for model, ratio in s["m1_ours_over_floor"].items()) or "n/a"
     print(f"M = 1: ours / floor = {m1} (target <= {MXFP4_TARGET_M1})")
-    for name in ("triton_kernels", "ours_bf16"):
+    for name in ("triton_kernels", "ours_checkpoint", "ours_bf16"):
         geo = s[f"geomean_{name}_over_floor"]
         print(f"geomean({name} / floor) = {'n/a' if geo is None else f'{geo:.3f}'} (for reference)")
     met = s["targets_met"]

@@ -22,8 +22,10 @@ SERIES = (  # (row key, label, style)
     ("floor_us", "floor (bytes / copy BW, flops / GEMM peak)", dict(linestyle="--", color="black")),
 )
 MXFP4_SERIES = (
-    ("ours_us", "ours (moe_ext), MXFP4 weights", dict(marker="o", linewidth=2.0, color="tab:blue")),
+    ("ours_us", "ours (moe_ext), MXFP4 weights (MMA layout, prepared)", dict(marker="o", linewidth=2.0,
+                                                                             color="tab:blue")),
     ("triton_kernels_us", "triton_kernels matmul_ogs, MXFP4 weights (prepared)", dict(marker="s", color="tab:orange")),
+    ("ours_checkpoint_us", "ours, MXFP4 checkpoint layout", dict(marker="D", color="tab:cyan")),
     ("ours_bf16_us", "ours on the weights in bf16 (reference)", dict(marker="v", color="tab:gray")),
     ("floor_us", "floor (4.25-bit weights / copy BW, flops / bf16 GEMM peak)", dict(linestyle="--", color="black")),
 )

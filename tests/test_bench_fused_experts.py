@@ -63,7 +63,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(bench, "ROUTINGS", 2)
     monkeypatch.setattr(bench, "MODELS", {"tiny": dict(E=4, topk=2, K=64, N=32)})
     monkeypatch.setattr(bench, "MXFP4_MODELS", {"tiny-oss": dict(E=5, topk=2, K=64, N=64),
-                                                "tiny-oss-b": dict(E=8, topk=4, K=96, N=32)})
+                                                "tiny-oss-b": dict(E=8, topk=4, K=128, N=64)})
     monkeypatch.setattr(bench, "MXFP4_QUANTIZE_CHUNK", 3)  # 5 and 8 experts: uneven chunks
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -133,7 +133,7 @@ def test_mxfp4_run(fake_gpu, monkeypatch, tmp_path, capsys, layout, bias):
         ("tiny-oss", 1), ("tiny-oss", 6), ("tiny-oss-b", 1), ("tiny-oss-b", 6)]
     for row in result["rows"]:
         assert row["failures"] == {}
-        for name in ("ours", "triton_kernels", "ours_bf16"):
+        for name in ("ours", "triton_kernels", "ours_checkpoint", "ours_bf16"):
             assert row[f"{name}_us"] == FAKE_US and row[f"{name}_rel_err"] <= bench.TOLERANCE
         k, n = row["K"], row["N"]
         assert row["bytes"] == pytest.approx(row["experts_hit"] * 3 * n * k * 4.25 / 8 + 2 * row["M"] * k * 2)
@@ -143,7 +143,7 @@ def test_mxfp4_run(fake_gpu, monkeypatch, tmp_path, capsys, layout, bias):
     assert summary["ours_le_triton_kernels"] == summary["compared_with_triton_kernels"] == 4
     assert set(summary["m1_ours_over_floor"]) == {"tiny-oss", "tiny-oss-b"}
     out = capsys.readouterr().out
-    assert f"{'ours':>16} {'triton_kernels':>16} {'ours_bf16':>16}" in out
+    assert f"{'ours':>16} {'triton_kernels':>16} {'ours_checkpoint':>16} {'ours_bf16':>16}" in out
     assert "MXFP4 weights, bf16 activations" in out and "M = 1: ours / floor = tiny-oss" in out
 
 

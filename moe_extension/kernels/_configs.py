@@ -184,7 +184,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # NOTE: fp8 block always takes the sorted schedule (16-row tensor-core tiles): its GEMVs dequantize every
     # weight in fp32. DeepSeek-V3 layer on the H100, M = 1: direct 180.8 us, sorted 150.2; M = 4: 656.6 against
     # 499.3; its 32-expert shard at M = 1: 204.9 against 62.2 (bench_fused_experts_fp8.py --tokens 1 4).
-    if use_direct(M, E, topk) and quant != "fp8_block":
+    if use_direct(M, E, topk) and quant not in ("fp8_block", "mxfp4_mma"):
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
         return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
@@ -245,7 +245,25 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # (tma_a) was slower: 12069 -> 12497 at M = 8192, 4336 -> 4418 at M = 1024 (same layer and command).
         g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=4, num_stages=4, tma_weights=True,
                                  tma_a=block_m >= 64)
+    if quant == "mxfp4_mma":
+        g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2)
     return MoeConfig("sorted", block_m, g1, g2)
+
+
+def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
+    """MXFP4 in the MMA layout (tensor-core steps only; the weight tile is the MMA's M, the block's tokens its N).
+    NOTE: one weight GEMM (2880 columns, 92160 rows: 141 MB of codes) on the H100, the decoded tile as the
+    register operand: 16 tokens, 256 rows on 8 warps 65 us (2.16 TB/s; 128 rows on 4 warps 73 us); 64 tokens,
+    128 rows on 4 warps 89 us (256 on 8: 96 us); 256 tokens in blocks of 128: 128 rows on 4 warps 255 us
+    (256 on 8: 285 us); 1024 tokens: 256 rows on 8 warps 1129 us (128 on 4: 1185 us); 64-column steps were
+    slower everywhere (1883 against 1129 us at 1024 tokens)."""
+    wide = block_m <= 16 or block_m >= 128
+    warps = 8 if wide else 4
+    g1 = dataclasses.replace(g1, block_n=128 if wide else 64, block_k=128, num_warps=warps,
+                             num_stages=3 if block_m >= 64 else 4, tma_weights=False, tma_a=False, group_m=0)
+    g2 = dataclasses.replace(g2, block_n=256 if wide else 128, block_k=128, num_warps=warps,
+                             num_stages=3 if block_m >= 64 else 4, tma_weights=False)
+    return g1, g2
 
 
 def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms, tile=None) -> MoeConfig:
@@ -303,10 +321,12 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
         # The pipelined budget counts weight tiles as if 16-bit: an upper bound of the packed tiles plus the
         # decoded tile the dot reads.
         esize = max(esize, 2)
-    if quant == "mxfp4":
+    if quant in ("mxfp4", "mxfp4_mma"):
         g1 = dataclasses.replace(g1, tma_weights=False, persistent=False)
         g2 = dataclasses.replace(g2, tma_weights=False, persistent=False)
     a_esize = esize
+    if quant == "mxfp4_mma":
+        esize = 1  # a loose bound for _fit; mxfp4_mma_tiles counts the stages' bytes exactly
     if quant == "fp8_block":
         # 1-byte weight tiles; fp8_tiles then counts the activation tiles at their own size.
         esize = 1
@@ -322,10 +342,14 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
         if quant == "mxfp4":
             g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, 1, N)
+        if quant == "mxfp4_mma":
+            g1, g2 = mxfp4_mma_tiles(g1, 2, bm, a_esize), mxfp4_mma_tiles(g2, 1, bm, a_esize)
         if quant == "fp8_block":
             g1, g2 = fp8_tiles(g1, bm, 2, a_esize, True), fp8_tiles(g2, bm, 1, a_esize, True)
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / 128))))
         return MoeConfig("sorted", bm, g1, g2)
+    if quant == "mxfp4_mma":
+        raise ValueError("config: quant='mxfp4_mma' runs the sorted schedule only, got path 'direct'")
     g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False, persistent=False), 0, 2, 1, esize)
     g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False, persistent=False), 0,
               triton_next_pow2(topk), 1, esize)
@@ -353,6 +377,26 @@ def fp8_tiles(g: GemmConfig, block_m: int, col_mult: int, a_esize: int, sorted_p
     while smem() > SMEM_BUDGET and bn > (128 if sorted_path else 1):
         bn //= 2
     return dataclasses.replace(g, block_n=bn, block_k=bk, num_stages=stages)
+
+
+def mxfp4_mma_tiles(g: GemmConfig, row_mult: int, block_m: int, a_esize: int) -> GemmConfig:
+    """An MXFP4 MMA-layout tile: block_k a multiple of 64 (whole chunks), at least 64 weight rows per warpgroup
+    (row_mult * block_n rows are the MMA's M), stages whose activation tiles (block_m x block_k, ``a_esize``
+    bytes) and codes + scales (17 / 32 byte per weight) fit SMEM_BUDGET."""
+    bk = max(64, g.block_k)
+    warps = max(4, g.num_warps)
+    bn = max(g.block_n, 64 // row_mult)
+    while warps > 4 and row_mult * bn < 16 * warps:
+        warps //= 2
+    stages = g.num_stages
+
+    def smem():
+        return stages * (block_m * bk * a_esize + row_mult * bn * bk * 17 // 32)
+
+    while smem() > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    return dataclasses.replace(g, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma_weights=False,
+                               persistent=False)
 
 
 def mxfp4_tiles(g: GemmConfig, row_mult: int, reduction: int) -> GemmConfig:

@@ -23,6 +23,14 @@ schedules; what differs between weight formats is only this plug, selected by th
   are exact in fp16 / fp32), in fp32 in the interpreter. GEMV steps (BLOCK_K a multiple of 128) multiply the
   dequantized values in fp32.
 
+- ``WFMT_MXFP4_MMA`` (3): ``quant="mxfp4_mma"``, the same numbers in tensor-core fragment order
+  (``moe_extension.quant.mxfp4_mma``: bands of 16 rows, chunks of 64 columns, contiguous stacks). A tile is
+  whole bands: one 32-bit word per thread and k16 step decodes into the four bf16x2 registers of its
+  ``wgmma`` A operand (``_mma_words``: rotates, masks and a multiply by 2^126), the scales (``_mma_scales``)
+  multiply them, and the dot runs transposed, ``acc^T += W a^T``: the decoded weights are the register
+  operand, the activations the shared-memory one, so nothing decoded goes through shared memory and the
+  tokens of a block are the MMA's N (16 rows suffice). Tensor-core steps only (the sorted schedule).
+
 Each format provides the device functions every kernel calls at the same places: ``scale_rows`` (the scale
 offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
 ``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
@@ -47,7 +55,8 @@ from triton.language.target_info import cuda_capability_geq
 WFMT_DENSE = 0
 WFMT_MXFP4 = 1
 WFMT_FP8_BLOCK = 2
-WEIGHT_FORMATS = {"none": WFMT_DENSE, "mxfp4": WFMT_MXFP4, "fp8_block": WFMT_FP8_BLOCK}
+WFMT_MXFP4_MMA = 3
+WEIGHT_FORMATS = {"none": WFMT_DENSE, "mxfp4": WFMT_MXFP4, "fp8_block": WFMT_FP8_BLOCK, "mxfp4_mma": WFMT_MXFP4_MMA}
 
 
 @triton.jit
@@ -142,6 +151,124 @@ def mxfp4_decode(q, s, PTX: tl.constexpr):
     else:
         lo, hi = _mxfp4_decode_2d(q, s, PTX)
     return lo, hi
+
+
+# The MMA layout's word -> the 4 bf16x2 fragment registers (a, h) = (0, 0), (0, 1), (1, 0), (1, 1): rotate, mask
+# (moe_extension.quant.mxfp4_mma: MMA_ROTATIONS, MMA_SPLIT, MMA_MASK), times 2^126 (an FMA with -0: exact, and
+# sm_80's bf16x2 arithmetic). Elements: byte b of the word's 4 -> register (a, b // 2), lane b % 2.
+_MMA_WORD_ASM = tl.constexpr("""
+{
+.reg .b32 t, u, b, nz;
+mov.b32 b, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+and.b32 t, $4, 0x81C081C0;
+fma.rn.bf16x2 $0, t, b, nz;
+shf.l.wrap.b32 t, $4, $4, 4;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $1, t, b, nz;
+shf.l.wrap.b32 t, $4, $4, 10;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 $2, t, b, nz;
+shf.l.wrap.b32 t, $4, $4, 6;
+and.b32 t, t, 0x00400040;
+shf.l.wrap.b32 u, $4, $4, 14;
+lop3.b32 t, u, 0x81808180, t, 0xEA;
+fma.rn.bf16x2 $3, t, b, nz;
+}
+""")
+
+# E8M0 bytes -> bf16 2^(s - 127): the byte shifted into the exponent, the maximum with 2^-127 for s = 0; s = 255
+# gives +inf (times the zero codes of a NaN group: NaN).
+_MMA_SCALE_ASM = tl.constexpr("""
+{
+.reg .b32 t, lo;
+mov.b32 lo, 0x00400040;
+prmt.b32 t, $2, 0, 0x4140;
+shl.b32 t, t, 7;
+max.bf16x2 $0, t, lo;
+prmt.b32 t, $2, 0, 0x4342;
+shl.b32 t, t, 7;
+max.bf16x2 $1, t, lo;
+}
+""")
+
+
+@triton.jit
+def _rotl(w, r: tl.constexpr):
+    if r == 0:
+        out = w
+    else:
+        out = (w << r) | (w >> (32 - r))
+    return out
+
+
+@triton.jit
+def _mma_lanes(reg):
+    """A uint32 register of two bf16 lanes -> (lane 0, lane 1) as fp32 values times 2^126."""
+    lo = ((reg & tl.full([], 0xFFFF, tl.uint32)) << 16).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    hi = (reg & tl.full([], 0xFFFF0000, tl.uint32)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+    return lo, hi
+
+
+@triton.jit
+def _mma_words(q, PTX: tl.constexpr):
+    """uint8 [..., 4 W] bytes of MMA-layout words -> (a = 0, a = 1) tiles of the same shape: element b of a
+    word is lane b % 2 of fragment register (a, b // 2): bf16 with PTX, else the same values in fp32."""
+    if PTX:
+        w0, w1 = tl.inline_asm_elementwise(_MMA_WORD_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        R: tl.constexpr = q.shape[0]
+        C: tl.constexpr = q.shape[1]
+        b = tl.reshape(q, (R, C // 4, 4)).to(tl.uint32) << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, :]
+        w = tl.sum(b, axis=2).to(tl.uint32)
+        mask = tl.full([], 0x81C081C0, tl.uint32)
+        regs00 = w & mask
+        regs01 = _rotl(w, 4) & mask
+        regs10 = _rotl(w, 10) & mask
+        regs11 = ((_rotl(w, 14) & tl.full([], 0x81808180, tl.uint32))
+                  | (_rotl(w, 6) & tl.full([], 0x00400040, tl.uint32)))
+        l00, h00 = _mma_lanes(regs00)
+        l01, h01 = _mma_lanes(regs01)
+        l10, h10 = _mma_lanes(regs10)
+        l11, h11 = _mma_lanes(regs11)
+        # byte b = 2 h + i
+        w0 = tl.reshape(tl.join(tl.join(l00, h00), tl.join(l01, h01)).permute(0, 1, 3, 2), (R, C))
+        w1 = tl.reshape(tl.join(tl.join(l10, h10), tl.join(l11, h11)).permute(0, 1, 3, 2), (R, C))
+    return w0, w1
+
+
+@triton.jit
+def _mma_scales(s, PTX: tl.constexpr):
+    """uint8 E8M0 scales -> 2^(s - 127) (s = 0: 2^-127; s = 255: +inf): bf16 with PTX, else fp32."""
+    if PTX:
+        out = tl.inline_asm_elementwise(_MMA_SCALE_ASM, "=r,=r,r", [s], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        s32 = s.to(tl.uint32)
+        out = tl.where(s32 == 0, tl.full([], 0x00400000, tl.uint32), s32 << 23).to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+    """The decoded, scaled weight tile [16 B, BLOCK_K] (natural row and column order) of one MMA-layout step
+    whose codes / scales ``weight_ptrs`` gives as [B, BLOCK_K * 8] / [B, BLOCK_K / 2]; chunks of 64 columns
+    from ``k_left`` on read as 0."""
+    B: tl.constexpr = ptrs.shape[0]
+    C: tl.constexpr = BLOCK_K // 64
+    if EVEN_K:
+        q = tl.load(ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        nch = tl.cdiv(k_left, 64)
+        q = tl.load(ptrs, mask=(tl.arange(0, C * 512) // 512 < nch)[None, :], other=0)
+        s = tl.load(s_ptrs, mask=(tl.arange(0, C * 32) // 32 < nch)[None, :], other=127)
+    w0, w1 = _mma_words(q, PTX)
+    # [B, (chunk, g, t, step, h, i)] x a -> rows (band, h, g), columns (chunk, step, a, t, i)
+    w = tl.join(w0, w1).reshape(B, C, 8, 4, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 7, 3, 6).reshape(16 * B, BLOCK_K)
+    sc = _mma_scales(s, PTX).reshape(B, C, 8, 2, 2).permute(0, 3, 2, 1, 4).reshape(16 * B, BLOCK_K // 32)
+    sc = tl.broadcast_to(tl.reshape(sc, (16 * B, BLOCK_K // 32, 1)), (16 * B, BLOCK_K // 32, 32))
+    return w * tl.reshape(sc, (16 * B, BLOCK_K))
 
 
 @triton.jit
@@ -260,8 +387,19 @@ def weight_ptrs(w_ptr, s_ptr, w_rows, s_rows, k0, stride_wk, stride_sk, BLOCK_K:
     Dense: one tile of pointers, [BLOCK_K, R] with TRANS (the dot's B operand; 1-D rows) else [..., R,
     BLOCK_K], and ``s_ptr`` (unused). MXFP4: the bytes [..., R, BLOCK_K / 2] and the scales
     [..., R, BLOCK_K / 32]. fp8 block: the dense tile of pointers and the scales [R] with TRANS (one 128-column
-    block per step), else [..., R, BLOCK_K / 128] (``k0`` a multiple of 128)."""
-    if WFMT == 1:
+    block per step), else [..., R, BLOCK_K / 128] (``k0`` a multiple of 128). MXFP4 in the MMA layout (1-D rows:
+    whole bands of 16, each starting at a multiple of 16; ``k0`` a multiple of 64): per band the codes
+    [B, BLOCK_K * 8] and the scales [B, BLOCK_K / 2] of the step, which the layout stores contiguously
+    (``stride_wk`` / ``stride_sk`` unused)."""
+    if WFMT == 3:
+        B: tl.constexpr = w_rows.shape[0] // 16
+        # A band's codes start at a multiple of 512 bytes and its scales at a multiple of 32 (16 rows of a
+        # multiple of 32 / of 2 bytes): written as such, so that the loads are known to be 16-byte aligned.
+        band = (tl.min(tl.reshape(w_rows, (B, 16)), axis=1) // 512) * 512
+        s_band = (tl.min(tl.reshape(s_rows, (B, 16)), axis=1) // 32) * 32
+        ptrs = w_ptr + band[:, None] + (k0 // 64) * 512 + tl.arange(0, BLOCK_K * 8)[None, :]
+        s_ptrs = s_ptr + s_band[:, None] + (k0 // 64) * 32 + tl.arange(0, BLOCK_K // 2)[None, :]
+    elif WFMT == 1:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         if len(w_rows.shape) == 2:
@@ -294,7 +432,9 @@ def weight_ptrs(w_ptr, s_ptr, w_rows, s_rows, k0, stride_wk, stride_sk, BLOCK_K:
 @triton.jit
 def weight_advance(ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
     """The pointers of the next k step."""
-    if WFMT == 1:
+    if WFMT == 3:
+        ptrs, s_ptrs = ptrs + BLOCK_K * 8, s_ptrs + BLOCK_K // 2
+    elif WFMT == 1:
         ptrs, s_ptrs = ptrs + (BLOCK_K // 2) * stride_wk, s_ptrs + (BLOCK_K // 32) * stride_sk
     elif WFMT == 2:
         ptrs, s_ptrs = ptrs + BLOCK_K * stride_wk, s_ptrs + (BLOCK_K // 128) * stride_sk
@@ -343,9 +483,13 @@ def dot_step(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_
 
     MXFP4: two dots, the activations' even columns with the decoded low nibbles and the odd columns with the
     high nibbles: each decoded tile stays in the register layout it was decoded in (no interleaving shuffle).
+    MXFP4 in the MMA layout: the decoded tile [R, BLOCK_K] is the dot's register operand, ``acc^T += W a^T``.
     Dense and fp8 block: the tile loaded, then ``dot_tile``.
     """
-    if WFMT == 1:
+    if WFMT == 3:
+        w = _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
+        acc = tl.trans(tl.dot(w, tl.trans(_as_bf16(a, PTX)), tl.trans(acc), input_precision=DOT_PREC))
+    elif WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         a_ev, a_od = _even_odd(_as_bf16(a, PTX))
         acc = tl.dot(a_ev, w_ev.T, acc, input_precision=DOT_PREC)
@@ -366,7 +510,8 @@ def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
     (MXFP4: the even and the odd columns into the same BLOCK_K / 2 columns of acc; fp8 block: ``x`` quantized per
     128 columns, both operands dequantized). ``x`` is [BLOCK_K] (one row for all
     the tile's rows) or [S, BLOCK_K] (one per leading index of a 3-D tile); ``k_left`` as in ``dot_step`` (a
-    scalar or per leading index, [S, 1, 1])."""
+    scalar or per leading index, [S, 1, 1]). Not for the MMA layout (tensor-core steps only)."""
+    tl.static_assert(WFMT != 3, "MXFP4 in the MMA layout runs the sorted schedule only")
     if WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         x_ev, x_od = _even_odd(_as_bf16(x, PTX).to(tl.float32))
@@ -413,7 +558,7 @@ class WeightOperand:
         self.w = w
         self.scale = w if scale is None else scale
         E, rows, cols = w.shape
-        self.shape = (E, rows, 2 * cols if self.fmt == WFMT_MXFP4 else cols)
+        self.shape = (E, rows, 2 * cols if self.fmt in (WFMT_MXFP4, WFMT_MXFP4_MMA) else cols)
         s = (0, 0, 0) if scale is None else tuple(scale.stride())
         self.strides = (*w.stride(), *s)
 

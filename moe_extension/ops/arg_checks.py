@@ -14,14 +14,17 @@ import torch
 
 from moe_extension.quant.fp8_block import FP8_BLOCK
 from moe_extension.quant.mxfp4 import MXFP4_BLOCK
+from moe_extension.quant.mxfp4_mma import MMA_COLS, MMA_ROWS
 
-QUANT_FORMATS = ("none", "fp8_block", "mxfp4")
+QUANT_FORMATS = ("none", "fp8_block", "mxfp4", "mxfp4_mma")
 # Weight formats the Triton kernels run on CUDA (the others run the PyTorch implementation there).
-TRITON_QUANT = ("none", "mxfp4", "fp8_block")
+TRITON_QUANT = ("none", "mxfp4", "fp8_block", "mxfp4_mma")
+# MXFP4 in the checkpoint layout and in the MMA layout (moe_extension.quant.mxfp4_mma): same shapes and numbers.
+MXFP4_QUANTS = ("mxfp4", "mxfp4_mma")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
-WEIGHT_DTYPES = {"fp8_block": (torch.float8_e4m3fn,), "mxfp4": (torch.uint8,)}
-SCALE_DTYPES = {"fp8_block": (torch.float32,), "mxfp4": (torch.uint8,)}
+WEIGHT_DTYPES = {"fp8_block": (torch.float8_e4m3fn,), "mxfp4": (torch.uint8,), "mxfp4_mma": (torch.uint8,)}
+SCALE_DTYPES = {"fp8_block": (torch.float32,), "mxfp4": (torch.uint8,), "mxfp4_mma": (torch.uint8,)}
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
@@ -76,12 +79,27 @@ class ArgChecker:
             lambda: f"{self.op}: quant='mxfp4' needs {what} to be a multiple of {MXFP4_BLOCK}, got {size}",
         )
 
+    def _mma_layout(self, arg: str, t: torch.Tensor, rows, cols) -> None:
+        """quant='mxfp4_mma': whole bands and chunks, contiguous (``moe_extension.quant.mxfp4_mma``)."""
+        torch._check_value(
+            rows % MMA_ROWS == 0 and cols % MMA_COLS == 0,
+            lambda: f"{self.op}: quant='mxfp4_mma' needs {arg}'s rows % {MMA_ROWS} == 0 and cols % {MMA_COLS} == 0, "
+            f"got rows {rows}, cols {cols} (use quant='mxfp4' for this shape)",
+        )
+        torch._check_value(
+            t.is_contiguous(),
+            lambda: f"{self.op}: quant='mxfp4_mma' needs {arg} contiguous (prepare_mxfp4_mma's output), got strides "
+            f"{t.stride()}",
+        )
+
     def weight(self, arg: str, w: torch.Tensor, quant: str, act_dtype: torch.dtype, layout: str, shape) -> None:
         """An expert weight stack of logical shape ``[E, rows, cols]`` (mxfp4: packed ``[E, rows, cols / 2]``)."""
         dtypes = WEIGHT_DTYPES.get(quant, (act_dtype,))
-        if quant == "mxfp4":
+        if quant in MXFP4_QUANTS:
             e, rows, cols = shape
             self.tensor(arg, w, dtypes, layout.replace("]", "/2]"), (e, rows, cols // 2))
+            if quant == "mxfp4_mma":
+                self._mma_layout(arg, w, rows, cols)
         else:
             self.tensor(arg, w, dtypes, layout, shape)
 
@@ -90,7 +108,8 @@ class ArgChecker:
         if quant == "none":
             torch._check_value(
                 s is None,
-                lambda: f"{self.op}: {arg} is only used with quant='fp8_block' or 'mxfp4', got quant='none'",
+                lambda: f"{self.op}: {arg} is only used with a quantized format (quant='fp8_block', 'mxfp4' or "
+            "'mxfp4_mma'), got quant='none'",
             )
             return
         torch._check_value(
@@ -103,6 +122,8 @@ class ArgChecker:
         else:
             want, layout = (e, rows, cols // MXFP4_BLOCK), "[E, rows, cols/32]"
         self.tensor(arg, s, SCALE_DTYPES[quant], layout, want)
+        if quant == "mxfp4_mma":
+            self._mma_layout(arg, s, rows, cols)
 
     def bias(self, arg: str, b: torch.Tensor | None, layout: str, shape) -> None:
         if b is not None:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import (FLOAT_DTYPES, MXFP4_QUANTS, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES,
+                                          ArgChecker)
 from moe_extension.quant.fp8_block import dequantize_fp8_block, fake_quantize_fp8_per_token_group
 from moe_extension.quant.mxfp4 import dequantize_mxfp4
+from moe_extension.quant.mxfp4_mma import dequantize_mxfp4_mma
 
 def check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale):
     """Validates expert_gemm1's arguments; returns (M, topk, 2N)."""
@@ -34,7 +36,7 @@ def check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_we
     c.name("quant", quant, QUANT_FORMATS)
     c.rank("hidden_states", hidden_states, FLOAT_DTYPES, "[M, K]")
     m, k = hidden_states.shape
-    if quant == "mxfp4":
+    if quant in MXFP4_QUANTS:
         c.mxfp4_dim("K (hidden_states.shape[1])", k)
     c.rank("w1", w1, WEIGHT_DTYPES.get(quant, (hidden_states.dtype,)), "[E, 2N, K]")
     e, rows = w1.shape[0], w1.shape[1]
@@ -52,7 +54,7 @@ def check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_wei
     c.name("quant", quant, QUANT_FORMATS)
     c.rank("intermediate", intermediate, FLOAT_DTYPES, "[M, topk, N]")
     m, topk, n = intermediate.shape
-    if quant == "mxfp4":
+    if quant in MXFP4_QUANTS:
         c.mxfp4_dim("N (intermediate.shape[2])", n)
     c.rank("w2", w2, WEIGHT_DTYPES.get(quant, (intermediate.dtype,)), "[E, K, N]")
     e, k = w2.shape[0], w2.shape[1]
@@ -99,7 +101,7 @@ def gemm_input(x: torch.Tensor, quant: str) -> torch.Tensor:
     columns (fp8_block), rounded to bf16 (mxfp4), unchanged (none)."""
     if quant == "fp8_block":
         return fake_quantize_fp8_per_token_group(x)
-    if quant == "mxfp4":
+    if quant in MXFP4_QUANTS:
         return x.to(torch.bfloat16).float()
     return x
 
@@ -118,6 +120,8 @@ class ExpertWeights:
             return dequantize_fp8_block(self.w[e], self.scale[e])
         if self.quant == "mxfp4":
             return dequantize_mxfp4(self.w[e], self.scale[e])
+        if self.quant == "mxfp4_mma":
+            return dequantize_mxfp4_mma(self.w[e], self.scale[e])
         if self.w.dtype == torch.float32:
             return self.w[e]
         if self._workspace is None:

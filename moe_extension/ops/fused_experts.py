@@ -28,7 +28,8 @@ import torch
 
 from moe_extension.backends import deep_gemm
 from moe_extension.ops.activations import ACTIVATIONS, activation_torch
-from moe_extension.ops.arg_checks import FLOAT_DTYPES, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import (FLOAT_DTYPES, MXFP4_QUANTS, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES,
+                                          ArgChecker)
 from moe_extension.ops.expert_gemm import ExpertWeights, gemm_input, group_by_expert
 
 BACKENDS = ("auto", "torch", "triton", "triton_kernels", "deep_gemm")
@@ -58,8 +59,8 @@ def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, exper
     c.rank("w1", w1, weight_dtypes, "[E, 2N, K]")
     c.rank("w2", w2, weight_dtypes, "[E, K, N]")
     e = w1.shape[0]
-    n = 2 * w2.shape[2] if quant == "mxfp4" else w2.shape[2]
-    if quant == "mxfp4":
+    n = 2 * w2.shape[2] if quant in MXFP4_QUANTS else w2.shape[2]
+    if quant in MXFP4_QUANTS:
         c.mxfp4_dim("K (hidden_states.shape[1])", k)
         c.mxfp4_dim("N (2 * w2.shape[2], w2 being packed [E, K, N/2])", n)
     c.weight("w1", w1, quant, hidden_states.dtype, "[E, 2N, K]", (e, 2 * n, k))

@@ -1,0 +1,211 @@
+"""MXFP4 in the MMA layout (``quant="mxfp4_mma"``, ``moe_extension.quant.mxfp4_mma``): the layout helpers on the
+CPU (round trip, exact dequantization, the NaN group rule, clear errors), the ops' PyTorch path (the same numbers
+as ``quant="mxfp4"``), and the Triton kernels in the interpreter (portable decode, ``PTX=False``, fp32 / fp16
+activations as in tests/test_kernels_mxfp4.py) against the PyTorch implementation on the checkpoint layout:
+every activation, biases, expert_map, on-input router weights, invalid ids, tail tiles, split gemm2, a masked
+last chunk of 64 columns, the unfused GEMMs, a NaN scale confined to its outputs, poisoned workspaces.
+
+The GPU (inline PTX decode, wgmma with the decoded tile as the register operand) is covered by
+tests/test_fused_experts_mxfp4_cuda.py, which runs its matrix for both layouts.
+"""
+
+import math
+
+import pytest
+import torch
+
+import moe_extension  # noqa: F401  (registers the ops)
+import moe_extension.kernels._configs as configs
+from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
+from moe_extension.kernels._configs import GemmConfig, MoeConfig
+from moe_extension.ops import fused_experts_torch
+from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
+from moe_extension.quant import dequantize_mxfp4, quantize_mxfp4
+from moe_extension.quant.mxfp4_mma import dequantize_mxfp4_mma, prepare_mxfp4_mma, unprepare_mxfp4_mma
+from tests.test_kernels_mxfp4 import (FP16_TOL, FP32_TOL, ROUNDING_POINTS_TOL, interpreted, kernel_rounding_reference,
+                                      local_ids, mxfp4_experts, poisoned, routing, valid_slots)
+from tests.utils import rel_err
+
+__all__ = ["poisoned"]  # the fixture, imported for the tests below
+
+
+def mma_experts(E, K, N, *, bias=False, seed=0, nan_group=False):
+    """(checkpoint stacks, MMA-layout stacks): w1, s1, w2, s2, b1, b2 each."""
+    w1, s1, w2, s2, b1, b2 = mxfp4_experts(E, K, N, bias=bias, seed=seed)
+    if nan_group:
+        s1[0, 3, 1] = 255
+    q1, t1 = prepare_mxfp4_mma(w1, s1)
+    q2, t2 = prepare_mxfp4_mma(w2, s2)
+    return (w1, s1, w2, s2, b1, b2), (q1, t1, q2, t2, b1, b2)
+
+
+# ------------------------------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (3, 48, 192), (2, 2, 32, 128)])
+def test_prepare_round_trip_and_dequantize_exactly(shape):
+    *lead, rows, cols = shape
+    gen = torch.Generator().manual_seed(rows + cols)
+    q, s = quantize_mxfp4(torch.randn(*shape, generator=gen))
+    s.view(-1)[torch.randperm(s.numel(), generator=gen)[:8]] = torch.tensor([0, 1, 126, 127, 128, 200, 254, 255],
+                                                                            dtype=torch.uint8)
+    qp, sp = prepare_mxfp4_mma(q, s)
+    assert qp.shape == q.shape and sp.shape == s.shape and qp.is_contiguous() and sp.is_contiguous()
+    assert not torch.equal(qp, q), "the bytes move"
+    q2, s2 = unprepare_mxfp4_mma(qp, sp)
+    assert torch.equal(s2, s)
+    nan_cols = (s == 255).repeat_interleave(16, dim=-1)
+    assert torch.equal(q2[~nan_cols], q[~nan_cols]) and (q2[nan_cols] == 0).all(), "NaN groups store zero codes"
+    ref, got = dequantize_mxfp4(q, s), dequantize_mxfp4_mma(qp, sp)
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0))
+
+
+def test_prepare_accepts_strided_views():
+    q, s = quantize_mxfp4(torch.randn(2, 32, 128))
+    qt, st = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, s))
+    a, b = prepare_mxfp4_mma(q, s), prepare_mxfp4_mma(qt, st)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("rows,cols,match", [(24, 64, "rows % 16"), (16, 96, "cols % 64")])
+def test_prepare_rejects_shapes_outside_the_layout(rows, cols, match):
+    q, s = quantize_mxfp4(torch.randn(rows, cols))
+    with pytest.raises(ValueError, match=match):
+        prepare_mxfp4_mma(q, s)
+
+
+def test_ops_reject_non_contiguous_or_partial_bands():
+    (w1, s1, w2, s2, _, _), (q1, t1, q2, t2, _, _) = mma_experts(2, 64, 64)
+    x, ids, g = torch.randn(3, 64), torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    view = q1.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="w1 contiguous"):
+        torch.ops.moe_ext.fused_experts(x, view, q2, g, ids, quant="mxfp4_mma", w1_scale=t1, w2_scale=t2)
+    with pytest.raises(ValueError, match="mxfp4_mma' needs w1's rows % 16"):
+        torch.ops.moe_ext.expert_gemm1(x, q1[:, :8].contiguous(), ids, quant="mxfp4_mma",
+                                       w1_scale=t1[:, :8].contiguous())
+
+
+def test_op_cpu_equals_checkpoint_layout():
+    """The PyTorch implementation on the MMA layout gives what it gives on the checkpoint layout, bitwise."""
+    (w1, s1, w2, s2, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(4, 128, 64, bias=True, seed=3)
+    g, ids, emap = routing(7, 2, 4, emap=True, seed=5)
+    x = torch.randn(7, 128, dtype=torch.bfloat16)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap)
+    ref = torch.ops.moe_ext.fused_experts(x, w1, w2, g.nan_to_num(0.0), ids, "swigluoai", quant="mxfp4", w1_scale=s1,
+                                          w2_scale=s2, **kw)
+    out = torch.ops.moe_ext.fused_experts(x, q1, q2, g.nan_to_num(0.0), ids, "swigluoai", quant="mxfp4_mma",
+                                          w1_scale=t1, w2_scale=t2, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_opcheck_fused_experts_mma():
+    (_, _, _, _, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(3, 64, 64, bias=True, seed=1)
+    x = torch.randn(5, 64)
+    ids = torch.randint(0, 3, (5, 2), dtype=torch.int32)
+    torch.library.opcheck(torch.ops.moe_ext.fused_experts.default, (x, q1, q2, torch.rand(5, 2), ids),
+                          dict(quant="mxfp4_mma", w1_scale=t1, w2_scale=t2, w1_bias=b1, w2_bias=b2))
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+
+# block_k 64 and 128 (K = 192 with 128: a masked last chunk), 64 or more weight rows per tile on 4 warps.
+SORTED = MoeConfig("sorted", 16, GemmConfig(32, 128, 4, 2, group_m=0), GemmConfig(64, 64, 4, 2))
+SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(32, 64, 4, 2, tail_m=16), GemmConfig(64, 128, 4, 2, tail_m=16))
+SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(64, 64, 4, 2, group_m=0), GemmConfig(64, 64, 4, 2, split_k=2))
+CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT}
+
+
+def checked_config(name, dtype, N, K, topk) -> MoeConfig:
+    cfg = CONFIGS[name]
+    assert configs.sanitize(cfg, dtype, N, K, topk, quant="mxfp4_mma") == cfg, "a config the product would run"
+    return cfg
+
+
+FUSED_CASES = [
+    ("sorted", "silu", torch.float32, 9, 3, 5, 192, 64, dict(bias=True)),
+    ("sorted", "swigluoai", torch.float16, 12, 2, 6, 64, 128, dict(bias=True, on_input=True, emap=True)),
+    ("sorted_tail", "gelu", torch.float32, 48, 3, 5, 128, 64, dict(emap=True)),
+    ("sorted_tail", "gelu_tanh", torch.float16, 36, 3, 5, 64, 192, dict(bias=True)),
+    ("sorted_split", "swiglustep", torch.float32, 10, 4, 5, 64, 128, dict(on_input=True, emap=True)),
+]
+
+
+def _fused_id(case):
+    cfg, act, dtype, M, topk, E, K, N, opts = case
+    return f"{cfg}-{act}-{str(dtype)[6:]}-M{M}-k{topk}-E{E}-{K}x{N}-" + "".join(sorted(o[0] for o in opts if opts[o]))
+
+
+@interpreted
+@pytest.mark.parametrize("case", FUSED_CASES, ids=_fused_id)
+def test_fused_experts_matches_torch(poisoned, case):
+    """fused_experts_triton(quant="mxfp4_mma") against fused_experts_torch on the checkpoint layout of the same
+    weights; workspaces poisoned, NaN router weights on invalid slots, a token without valid slots gives 0."""
+    name, act, dtype, M, topk, E, K, N, opts = case
+    cfg = checked_config(name, dtype, N, K, topk)
+    (w1, s1, w2, s2, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(E, K, N, bias=opts.get("bias", False),
+                                                                   seed=M * 31 + K + N)
+    g, ids, emap = routing(M, topk, E, emap=opts.get("emap", False), seed=M + E)
+    if name == "sorted_tail":
+        counts = torch.bincount(local_ids(ids, emap, E).flatten() + 1, minlength=E + 1)[1:]
+        assert ((counts > 0) & (counts <= 16)).any() and (counts > 16).any(), "tail tiles and full tiles"
+    x = torch.randn(M, K, dtype=dtype)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, apply_router_weight_on_input=opts.get("on_input", False),
+              alpha=1.702, limit=7.0)
+    out = fused_experts_triton(x, q1, q2, g, ids, act, quant="mxfp4_mma", w1_scale=t1, w2_scale=t2, config=cfg, **kw)
+    assert out.shape == (M, K) and out.dtype == dtype and out.isfinite().all()
+    valid = valid_slots(ids, emap, E)
+    assert (out[~valid.any(dim=1)] == 0).all()
+    ref = fused_experts_torch(x, w1, w2, g, ids, act, quant="mxfp4", w1_scale=s1, w2_scale=s2, **kw)
+    tol = FP32_TOL if dtype == torch.float32 else FP16_TOL
+    assert rel_err(out, kernel_rounding_reference(x, w1, w2, g, ids, act, s1, s2, kw)) <= tol
+    assert rel_err(out, ref) <= (FP32_TOL if dtype == torch.float32 else ROUNDING_POINTS_TOL)
+
+
+@interpreted
+@pytest.mark.parametrize("on_input", [False, True])
+def test_expert_gemms_match_torch(on_input):
+    M, topk, E, K, N = 11, 2, 4, 128, 64
+    (w1, s1, w2, s2, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(E, K, N, bias=True, seed=7)
+    g, ids, emap = routing(M, topk, E, emap=True, seed=2)
+    g = g.nan_to_num(0.0)
+    x = torch.randn(M, K)
+    cfg = CONFIGS["sorted"]
+    h = expert_gemm1_triton(x, q1, ids, w1_bias=b1, expert_map=emap, topk_weights=g if on_input else None,
+                            quant="mxfp4_mma", w1_scale=t1, config=cfg)
+    h_ref = expert_gemm1_torch(x, w1, ids, w1_bias=b1, expert_map=emap, topk_weights=g if on_input else None,
+                               quant="mxfp4", w1_scale=s1)
+    assert rel_err(h, h_ref) <= FP32_TOL
+    a = torch.randn(M, topk, N)
+    y = expert_gemm2_triton(a, q2, ids, w2_bias=b2, expert_map=emap, topk_weights=g, quant="mxfp4_mma", w2_scale=t2,
+                            config=cfg)
+    y_ref = expert_gemm2_torch(a, w2, ids, w2_bias=b2, expert_map=emap, topk_weights=g, quant="mxfp4", w2_scale=s2)
+    assert rel_err(y, y_ref) <= FP32_TOL
+
+
+@interpreted
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+def test_nan_scale_stays_in_its_block():
+    """A NaN scale (255) in w1 row 3 makes exactly that output column NaN for the tokens routed to expert 0."""
+    M, E, K, N = 6, 2, 64, 64
+    (w1, s1, _, _, _, _), (q1, t1, _, _, _, _) = mma_experts(E, K, N, nan_group=True)
+    ids = torch.tensor([[0], [1], [0], [1], [0], [1]], dtype=torch.int32)
+    x = torch.randn(M, K)
+    h = expert_gemm1_triton(x, q1, ids, quant="mxfp4_mma", w1_scale=t1, config=CONFIGS["sorted"])
+    nan = h.isnan()
+    assert nan[ids[:, 0] == 0, 0, 3].all() and nan.sum() == (ids == 0).sum()
+    ref = expert_gemm1_torch(x, w1, ids, quant="mxfp4", w1_scale=s1)
+    assert rel_err(h.nan_to_num(0.0), ref.nan_to_num(0.0)) <= FP32_TOL
+
+
+def test_direct_schedule_is_refused():
+    with pytest.raises(ValueError, match="sorted schedule only"):
+        configs.sanitize(MoeConfig("direct", 0, GemmConfig(32, 64, 4, 2), GemmConfig(32, 64, 4, 2)), torch.float32,
+                         64, 64, 2, quant="mxfp4_mma")
+
+
+def test_heuristic_runs_sorted_at_decode():
+    cfg = configs.sanitize(configs.heuristic_config(1, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132,
+                                                    "mxfp4_mma"), torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
+    assert cfg.path == "sorted" and cfg.gemm1.block_k % 64 == 0 and cfg.gemm2.block_k % 64 == 0
+    assert math.gcd(2 * cfg.gemm1.block_n, 16) == 16
