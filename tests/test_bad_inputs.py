@@ -120,7 +120,7 @@ CASES = {
                        "fused_experts: activation must be one of ('silu', 'gelu', 'gelu_tanh', 'swigluoai', "
                        "'swiglustep'), got 'relu'", True),
     "quant": Case("fused_experts", "none", {"quant": lambda a: "int4"}, ValueError,
-                  "fused_experts: quant must be one of ('none', 'fp8_block', 'mxfp4'), got 'int4'", True),
+                  "fused_experts: quant must be one of ('none', 'fp8_block', 'mxfp4', 'mxfp4_mma'), got 'int4'", True),
     "backend": Case("fused_experts", "none", {"backend": lambda a: "cutlass"}, ValueError,
                     "fused_experts: backend must be one of ('auto', 'torch', 'triton', 'triton_kernels', 'deep_gemm'), "
                     "got 'cutlass'"),
@@ -138,8 +138,8 @@ CASES = {
                            RuntimeError, "fused_experts: w2_scale must have shape [E, ceil(rows/128), "
                            "ceil(cols/128)] = [4, 1, 1], got [3, 1, 1]"),
     "scale_without_quant": Case("fused_experts", "none", {"w2_scale": lambda a: torch.ones(E, 1, 1)}, ValueError,
-                                "fused_experts: w2_scale is only used with quant='fp8_block' or 'mxfp4', got "
-                                "quant='none'"),
+                                "fused_experts: w2_scale is only used with a quantized format (quant='fp8_block', "
+                                "'mxfp4' or 'mxfp4_mma'), got quant='none'"),
     "mxfp4_K": Case("fused_experts", "mxfp4", {"hidden_states": lambda a: torch.randn(M, 48)}, ValueError,
                     "fused_experts: quant='mxfp4' needs K (hidden_states.shape[1]) to be a multiple of 32, got 48",
                     True),

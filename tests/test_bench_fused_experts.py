@@ -169,7 +169,7 @@ def test_mxfp4_skip_peers(fake_gpu, tmp_path):
 def test_plot_picks_the_series_of_the_run():
     assert plot.series_for({"rows": []}) is plot.SERIES
     assert [key for key, _, _ in plot.series_for({"quant": "mxfp4"})] == [
-        "ours_us", "triton_kernels_us", "ours_bf16_us", "floor_us"]
+        "ours_us", "triton_kernels_us", "ours_checkpoint_us", "ours_bf16_us", "floor_us"]
     assert plot.weights_caption({"quant": "mxfp4"}) == "MXFP4 weights, bf16 activations"
     assert plot.weights_caption({}) == "bf16"
 
