@@ -22,8 +22,9 @@ from moe_extension.ops import fused_experts_torch
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
 from moe_extension.quant import dequantize_mxfp4, quantize_mxfp4
 from moe_extension.quant.mxfp4_mma import dequantize_mxfp4_mma, prepare_mxfp4_mma, unprepare_mxfp4_mma
-from tests.test_kernels_mxfp4 import (FP16_TOL, FP32_TOL, ROUNDING_POINTS_TOL, interpreted, kernel_rounding_reference,
-                                      local_ids, mxfp4_experts, poisoned, routing, valid_slots)
+from tests.test_kernels_mxfp4 import (FP16_TOL, FP32_TOL, ROUNDING_POINTS_TOL, _fused_id, interpreted,
+                                      kernel_rounding_reference, local_ids, mxfp4_experts, poisoned, routing,
+                                      valid_slots)
 from tests.utils import rel_err
 
 __all__ = ["poisoned"]  # the fixture, imported for the tests below
@@ -129,11 +130,6 @@ FUSED_CASES = [
     ("sorted_tail", "gelu_tanh", torch.float16, 36, 3, 5, 64, 192, dict(bias=True)),
     ("sorted_split", "swiglustep", torch.float32, 10, 4, 5, 64, 128, dict(on_input=True, emap=True)),
 ]
-
-
-def _fused_id(case):
-    cfg, act, dtype, M, topk, E, K, N, opts = case
-    return f"{cfg}-{act}-{str(dtype)[6:]}-M{M}-k{topk}-E{E}-{K}x{N}-" + "".join(sorted(o[0] for o in opts if opts[o]))
 
 
 @interpreted
