@@ -1,18 +1,20 @@
 """GPU suite of MXFP4 in the MMA layout (``quant="mxfp4_mma"``, weights from ``prepare_mxfp4_mma``): the MXFP4
 matrix's cases whose shapes the layout takes (K and N multiples of 64) against the PyTorch implementation on the
 checkpoint layout (rel err <= 1e-2) and against ``quant="mxfp4"``'s kernels; wide scales and a NaN scale; the
-unfused GEMMs; CUDA-graph capture of every entry point with 12 changed-input replays bitwise equal to eager;
-determinism. Skips without CUDA (the CPU side: tests/test_kernels_mxfp4_mma.py)."""
+unfused GEMMs; every tile shape the layout's tile rule admits; CUDA-graph capture of every entry point with 12
+changed-input replays bitwise equal to eager; determinism. Skips without CUDA (the CPU side: tests/test_kernels_mxfp4_mma.py)."""
 
 import pytest
 import torch
 
+from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, sanitize
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
 from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
 from tests.reference import random_expert_map
 from tests.test_fused_experts_cuda import _routing
 from tests.test_fused_experts_mxfp4_cuda import (CASES, GRAPH_SHAPE, TOL, _case_id, _experts, _fused, _fused_reference,
-                                                 _local, _params, _wide_scales)
+                                                 _local, _params, _per_column_rel_err, _wide_scales)
 from tests.utils import assert_graph_replays_match_eager, entry_point_call, entry_point_inputs, rel_err
 
 cuda = pytest.mark.cuda
@@ -70,6 +72,9 @@ def test_scales_from_2e_minus_20_to_2e20_and_nan(M):
     y = torch.ops.moe_ext.expert_gemm2(a, q2, ids, topk_weights=g, quant="mxfp4_mma", w2_scale=t2)
     ref_y = expert_gemm2_torch(a.float(), w2, ids, topk_weights=g, quant="mxfp4", w2_scale=s2)
     assert rel_err(y, ref_y) <= TOL
+    # per output column (weight row), so that rows of small scales count as much as those of large ones
+    assert _per_column_rel_err(h.nan_to_num(0.0), ref_h.nan_to_num(0.0)) <= TOL
+    assert _per_column_rel_err(y, ref_y) <= TOL
 
 
 @cuda
@@ -86,6 +91,40 @@ def test_cuda_graph_replays_match_eager(op, M):
         return entry_point_inputs(op, M, E, topk, K, N, _routing, gen)
 
     assert_graph_replays_match_eager(call, fresh(), fresh, finite=True)
+
+
+def _admitted_tiles():
+    """One config per tile shape that ``mxfp4_mma_tiles`` admits (each as sanitize leaves it): gemm1 of 64 or 128
+    columns (128 / 256 fused rows) on 4 or 8 warps, gemm2 of 128 or 256 rows on 4 or 8 warps, split or not."""
+    g1s = [GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3), GemmConfig(128, 128, 8, 3)]
+    g2s = [GemmConfig(128, 128, 4, 3), GemmConfig(256, 128, 4, 3), GemmConfig(256, 128, 8, 3),
+           GemmConfig(128, 128, 4, 3, split_k=2)]
+    return [MoeConfig("sorted", bm, g1, g2) for bm in (16, 64) for g1, g2 in zip(g1s + g1s[:1], g2s)]
+
+
+@cuda
+@pytest.mark.parametrize("cfg", _admitted_tiles(), ids=lambda c: f"bm{c.block_m}-g1_{c.gemm1.block_n}w"
+                         f"{c.gemm1.num_warps}-g2_{c.gemm2.block_n}w{c.gemm2.num_warps}s{c.gemm2.split_k}")
+@pytest.mark.parametrize("act", ["swigluoai", "swiglustep"])
+def test_every_admitted_tile(cfg, act):
+    """Every tile shape the MMA layout's rule admits, fused (interleaved and split gate/up rows) and unfused
+    (gemm1's tiles then hold block_n rows), against the PyTorch implementation."""
+    E, topk, K, N, M = 8, 2, 512, 256, 96
+    assert sanitize(cfg, torch.bfloat16, N, K, topk, quant="mxfp4_mma") == cfg
+    gen = torch.Generator(device="cuda").manual_seed(cfg.gemm1.block_n + cfg.gemm2.block_n + cfg.block_m)
+    w1, s1, w2, s2, b1, b2 = _experts(E, K, N, gen, bias=True)
+    q1, t1, q2, t2 = _prepared(w1, s1, w2, s2)
+    g, ids = _routing(M, E, topk, True, gen)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = fused_experts_triton(x, q1, q2, g, ids, act, w1_bias=b1, w2_bias=b2, quant="mxfp4_mma", w1_scale=t1,
+                               w2_scale=t2, config=cfg)
+    assert rel_err(out, _fused_reference(x, w1, s1, w2, s2, g, ids, act, w1_bias=b1, w2_bias=b2)) <= TOL
+    h = expert_gemm1_triton(x, q1, ids, quant="mxfp4_mma", w1_scale=t1, config=cfg)
+    assert _per_column_rel_err(h, expert_gemm1_torch(x.float(), w1, ids, quant="mxfp4", w1_scale=s1)) <= TOL
+    a = torch.randn(M, topk, N, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = expert_gemm2_triton(a, q2, ids, topk_weights=g, quant="mxfp4_mma", w2_scale=t2, config=cfg)
+    ref_y = expert_gemm2_torch(a.float(), w2, ids, topk_weights=g, quant="mxfp4", w2_scale=s2)
+    assert rel_err(y, ref_y) <= TOL
 
 
 @cuda

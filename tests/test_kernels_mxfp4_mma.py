@@ -21,7 +21,8 @@ from moe_extension.kernels._configs import GemmConfig, MoeConfig
 from moe_extension.ops import fused_experts_torch
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
 from moe_extension.quant import dequantize_mxfp4, quantize_mxfp4
-from moe_extension.quant.mxfp4_mma import dequantize_mxfp4_mma, prepare_mxfp4_mma, unprepare_mxfp4_mma
+from moe_extension.quant.mxfp4_mma import (MMA_MAX_SCALE, MMA_NAN_SCALE, dequantize_mxfp4_mma, prepare_mxfp4_mma,
+                                           unprepare_mxfp4_mma)
 from tests.test_kernels_mxfp4 import (FP16_TOL, FP32_TOL, ROUNDING_POINTS_TOL, _fused_id, interpreted,
                                       kernel_rounding_reference, local_ids, mxfp4_experts, poisoned, routing,
                                       valid_slots)
@@ -48,11 +49,12 @@ def test_prepare_round_trip_and_dequantize_exactly(shape):
     *lead, rows, cols = shape
     gen = torch.Generator().manual_seed(rows + cols)
     q, s = quantize_mxfp4(torch.randn(*shape, generator=gen))
-    s.view(-1)[torch.randperm(s.numel(), generator=gen)[:8]] = torch.tensor([0, 1, 126, 127, 128, 200, 254, 255],
+    s.view(-1)[torch.randperm(s.numel(), generator=gen)[:8]] = torch.tensor([0, 1, 126, 127, 128, 147, 148, 255],
                                                                             dtype=torch.uint8)
     qp, sp = prepare_mxfp4_mma(q, s)
     assert qp.shape == q.shape and sp.shape == s.shape and qp.is_contiguous() and sp.is_contiguous()
     assert not torch.equal(qp, q), "the bytes move"
+    assert sorted(sp.unique().tolist())[-2:] == [148, MMA_NAN_SCALE], "finite scales stay, NaN groups store 149"
     q2, s2 = unprepare_mxfp4_mma(qp, sp)
     assert torch.equal(s2, s)
     nan_cols = (s == 255).repeat_interleave(16, dim=-1)
@@ -67,6 +69,14 @@ def test_prepare_accepts_strided_views():
     qt, st = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, s))
     a, b = prepare_mxfp4_mma(q, s), prepare_mxfp4_mma(qt, st)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("byte", [MMA_MAX_SCALE + 1, 200, 254])
+def test_prepare_rejects_scales_above_the_layouts_range(byte):
+    q, s = quantize_mxfp4(torch.randn(2, 16, 64))
+    s[1, 5, 1] = byte
+    with pytest.raises(ValueError, match=rf"at most 2\^21 \(E8M0 byte <= 148\) or NaN \(255\), got byte {byte}"):
+        prepare_mxfp4_mma(q, s)
 
 
 @pytest.mark.parametrize("rows,cols,match", [(24, 64, "rows % 16"), (16, 96, "cols % 64")])
@@ -110,10 +120,11 @@ def test_opcheck_fused_experts_mma():
 
 # ------------------------------------------------------------------------------------------------- kernels
 
-# block_k 64 and 128 (K = 192 with 128: a masked last chunk), 64 or more weight rows per tile on 4 warps.
-SORTED = MoeConfig("sorted", 16, GemmConfig(32, 128, 4, 2, group_m=0), GemmConfig(64, 64, 4, 2))
-SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(32, 64, 4, 2, tail_m=16), GemmConfig(64, 128, 4, 2, tail_m=16))
-SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(64, 64, 4, 2, group_m=0), GemmConfig(64, 64, 4, 2, split_k=2))
+# The tiles mxfp4_mma_tiles admits: 128 (gemm1: 2 x 64) and 256 weight rows per tile, 128-column steps (K = 192:
+# a masked last chunk).
+SORTED = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2))
+SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(128, 128, 8, 2, tail_m=16), GemmConfig(256, 128, 8, 2, tail_m=16))
+SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2, split_k=2))
 CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT}
 
 
@@ -128,7 +139,7 @@ FUSED_CASES = [
     ("sorted", "swigluoai", torch.float16, 12, 2, 6, 64, 128, dict(bias=True, on_input=True, emap=True)),
     ("sorted_tail", "gelu", torch.float32, 48, 3, 5, 128, 64, dict(emap=True)),
     ("sorted_tail", "gelu_tanh", torch.float16, 36, 3, 5, 64, 192, dict(bias=True)),
-    ("sorted_split", "swiglustep", torch.float32, 10, 4, 5, 64, 128, dict(on_input=True, emap=True)),
+    ("sorted_split", "swiglustep", torch.float32, 10, 4, 5, 64, 256, dict(on_input=True, emap=True)),
 ]
 
 
@@ -194,6 +205,30 @@ def test_nan_scale_stays_in_its_block():
     assert rel_err(h.nan_to_num(0.0), ref.nan_to_num(0.0)) <= FP32_TOL
 
 
+@interpreted
+def test_scales_across_the_layouts_range():
+    """Rows whose scales span E8M0 bytes 22 .. MMA_MAX_SCALE (2^-105 .. 2^21): every output column (one weight row)
+    within FP32_TOL of the PyTorch path, for the unfused gemm1 and gemm2 (the kernels' bf16 factors and the
+    accumulator's 2^MMA_EXCESS)."""
+    bytes_ = torch.tensor([22, 60, 107, 120, 127, 135, 147, MMA_MAX_SCALE], dtype=torch.uint8)
+    (w1, s1, w2, s2, _, _), _ = mma_experts(2, 128, 64, seed=5)
+    s1[:] = bytes_.repeat(s1.shape[1] // len(bytes_))[None, :, None]
+    s2[:] = bytes_.repeat(s2.shape[1] // len(bytes_))[None, :, None]
+    (q1, t1), (q2, t2) = prepare_mxfp4_mma(w1, s1), prepare_mxfp4_mma(w2, s2)
+    g, ids, _ = routing(7, 2, 2, seed=3)
+    x, a = torch.randn(7, 128), torch.randn(7, 2, 64)
+    cfg = CONFIGS["sorted_split"]
+    h = expert_gemm1_triton(x, q1, ids, quant="mxfp4_mma", w1_scale=t1, config=cfg)
+    h_ref = expert_gemm1_torch(x, w1, ids, quant="mxfp4", w1_scale=s1)
+    y = expert_gemm2_triton(a, q2, ids, quant="mxfp4_mma", w2_scale=t2, config=cfg)
+    y_ref = expert_gemm2_torch(a, w2, ids, quant="mxfp4", w2_scale=s2)
+    for got, ref in ((h, h_ref), (y, y_ref)):
+        got, ref = got.flatten(0, -2).double(), ref.flatten(0, -2).double()
+        assert ref.abs().amax(0).min() > 0, "every column holds values"
+        err = (got - ref).norm(dim=0) / ref.norm(dim=0)
+        assert err.max() <= FP32_TOL, err
+
+
 def test_direct_schedule_is_refused():
     with pytest.raises(ValueError, match="sorted schedule only"):
         configs.sanitize(MoeConfig("direct", 0, GemmConfig(32, 64, 4, 2), GemmConfig(32, 64, 4, 2)), torch.float32,
@@ -205,3 +240,13 @@ def test_heuristic_runs_sorted_at_decode():
                                                     "mxfp4_mma"), torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
     assert cfg.path == "sorted" and cfg.gemm1.block_k % 64 == 0 and cfg.gemm2.block_k % 64 == 0
     assert math.gcd(2 * cfg.gemm1.block_n, 16) == 16
+
+
+@pytest.mark.parametrize("M", [1, 16, 256, 4096])
+def test_heuristic_tiles_are_admitted(M):
+    """The heuristic's tiles are ones ``mxfp4_mma_tiles`` admits unchanged (the tiles the GPU suite checks), and the
+    decode cell splits gemm2's reduction while a 4096-token batch does not."""
+    raw = configs.heuristic_config(M, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132, "mxfp4_mma")
+    cfg = configs.sanitize(raw, torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
+    assert (cfg.gemm1, cfg.gemm2) == (raw.gemm1, raw.gemm2)
+    assert (cfg.gemm2.split_k > 1) == (M == 1)

@@ -246,23 +246,29 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=4, num_stages=4, tma_weights=True,
                                  tma_a=block_m >= 64)
     if quant == "mxfp4_mma":
-        g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2)
+        g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2, blocks, K, N, num_sms)
     return MoeConfig("sorted", block_m, g1, g2)
 
 
-def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
-    """MXFP4 in the MMA layout (tensor-core steps only; the weight tile is the MMA's M, the block's tokens its N).
-    NOTE: one weight GEMM (2880 columns, 92160 rows: 141 MB of codes) on the H100, the decoded tile as the
-    register operand: 16 tokens, 256 rows on 8 warps 65 us (2.16 TB/s; 128 rows on 4 warps 73 us); 64 tokens,
-    128 rows on 4 warps 89 us (256 on 8: 96 us); 256 tokens in blocks of 128: 128 rows on 4 warps 255 us
-    (256 on 8: 285 us); 1024 tokens: 256 rows on 8 warps 1129 us (128 on 4: 1185 us); 64-column steps were
-    slower everywhere (1883 against 1129 us at 1024 tokens)."""
-    wide = block_m <= 16 or block_m >= 128
-    warps = 8 if wide else 4
-    g1 = dataclasses.replace(g1, block_n=128 if wide else 64, block_k=128, num_warps=warps,
-                             num_stages=3 if block_m >= 64 else 4, tma_weights=False, tma_a=False, group_m=0)
-    g2 = dataclasses.replace(g2, block_n=256 if wide else 128, block_k=128, num_warps=warps,
-                             num_stages=3 if block_m >= 64 else 4, tma_weights=False)
+def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: float, K: int, N: int,
+                        num_sms: int) -> tuple[GemmConfig, GemmConfig]:
+    """MXFP4 in the MMA layout (tensor-core steps only; the weight tile is the MMA's M, the block's tokens its N);
+    ``blocks``: the expected row blocks of the sorted schedule.
+    NOTE: 128 weight rows on 4 warps per tile in both GEMMs (the fused gemm1's 64 columns of gate and up;
+    gemm2's 128 output columns): the tuner's best at every M of gpt-oss-120b and -20b on the H100 but M = 1,
+    where 256 rows on 8 warps won by 10% (120b: 50.0 against 55.4 us). The 256-row tiles on 8 warps this
+    rule replaced were 10-29% slower end to end (120b: M 16 308 against 269 us, M 4096 2902 against 2246;
+    ``python benchmarks/tune_fused_experts.py --quant mxfp4_mma``)."""
+    bn1, bn2 = 64, 128
+    # Few row blocks (decode): gemm2 splits its reduction until there are two tiles per SM.
+    split = 1
+    while blocks * math.ceil(K / bn2) * split < 2 * num_sms and split < 8 and N >= 2 * split * 128:
+        split *= 2
+    stages = 3 if block_m >= 64 else 4
+    g1 = dataclasses.replace(g1, block_n=bn1, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
+                             tma_a=False, group_m=0)
+    g2 = dataclasses.replace(g2, block_n=bn2, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
+                             split_k=split)
     return g1, g2
 
 
@@ -380,15 +386,19 @@ def fp8_tiles(g: GemmConfig, block_m: int, col_mult: int, a_esize: int, sorted_p
 
 
 def mxfp4_mma_tiles(g: GemmConfig, row_mult: int, block_m: int, a_esize: int) -> GemmConfig:
-    """An MXFP4 MMA-layout tile: block_k a multiple of 64 (whole chunks), at least 64 weight rows per warpgroup
-    (row_mult * block_n rows are the MMA's M), stages whose activation tiles (block_m x block_k, ``a_esize``
-    bytes) and codes + scales (17 / 32 byte per weight) fit SMEM_BUDGET."""
-    bk = max(64, g.block_k)
-    warps = max(4, g.num_warps)
-    bn = max(g.block_n, 64 // row_mult)
-    while warps > 4 and row_mult * bn < 16 * warps:
-        warps //= 2
+    """An MXFP4 MMA-layout tile: steps of two chunks (block_k 128), at least 128 // row_mult * row_mult weight rows
+    (gemm1: block_n >= 64, whose fused tiles hold 2 x block_n rows and the unfused ones block_n; gemm2: block_n >=
+    128), 8 warps only for 256 rows or more, stages whose activation tiles (block_m x block_k, ``a_esize`` bytes) and
+    codes + scales (17 / 32 byte per weight) fit SMEM_BUDGET.
+    NOTE: other tiles computed wrong sums on the H100 (Triton 3.6): 32-row unfused gemm1 tiles, 64-row fused gemm1
+    tiles with some gated activations, 128-row tiles in 64-column steps. ``test_every_admitted_tile`` in
+    tests/test_fused_experts_mxfp4_mma_cuda.py runs each tile shape this rule admits against the reference."""
+    warps = 8 if g.num_warps >= 8 else 4
+    bn = max(g.block_n, 128 // row_mult)
+    if row_mult * bn < 256:
+        warps = 4
     stages = g.num_stages
+    bk = 128
 
     def smem():
         return stages * (block_m * bk * a_esize + row_mult * bn * bk * 17 // 32)

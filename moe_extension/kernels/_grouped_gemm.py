@@ -47,8 +47,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import (dot_step, dot_tile, fma_step, quantize_fp8_groups, scale_rows,
-                                                   weight_advance, weight_ptrs)
+from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, quantize_fp8_groups,
+                                                   scale_rows, weight_advance, weight_ptrs)
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -215,6 +215,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
             acc = dot_step(acc, a, a_s, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, A_Q)
         a_ptrs += BLOCK_K * stride_xk
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
+    acc = acc_finish(acc, WFMT)
 
     if not G_ON_A:
         acc = acc * g[:, None]  # W (g x) + b = g (W x) + b
@@ -385,6 +386,7 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
                            DOT_PREC, A_Q)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
+    acc = acc_finish(acc, WFMT)
 
     b_lim = tl.where((has_bias != 0) & (split == 0), N_OUT, 0)
     acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,

@@ -26,17 +26,18 @@ schedules; what differs between weight formats is only this plug, selected by th
 - ``WFMT_MXFP4_MMA`` (3): ``quant="mxfp4_mma"``, the same numbers in tensor-core fragment order
   (``moe_extension.quant.mxfp4_mma``: bands of 16 rows, chunks of 64 columns, contiguous stacks). A tile is
   whole bands: one 32-bit word per thread and k16 step decodes into the four bf16x2 registers of its
-  ``wgmma`` A operand (``_mma_words``: rotates, masks and a multiply by 2^126), the scales (``_mma_scales``)
-  multiply them, and the dot runs transposed, ``acc^T += W a^T``: the decoded weights are the register
+  ``wgmma`` A operand (``_mma_words``: rotates, masks and one multiply by the scale factors of ``_mma_scales``,
+  which leaves the weights times 2^-MMA_EXCESS; ``acc_finish`` scales the accumulator back), and the dot runs
+  transposed, ``acc^T += W a^T``: the decoded weights are the register
   operand, the activations the shared-memory one, so nothing decoded goes through shared memory and the
   tokens of a block are the MMA's N (16 rows suffice). Tensor-core steps only (the sorted schedule).
 
 Each format provides the device functions every kernel calls at the same places: ``scale_rows`` (the scale
 offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
 ``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
-``dot_tile`` is its second half, for a tile that TMA loaded)
-and ``fma_step`` (GEMV step: elementwise products into a ``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K /
-2]`` for MXFP4, reduced over its last dim by the kernel at the end). A new format adds a branch to each, its
+``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_finish`` (the accumulator after the last
+tensor-core step) and ``fma_step`` (GEMV step: elementwise products into a ``[..., R, BLOCK_K]`` fp32 tile,
+``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at the end). A new format adds a branch to each, its
 scale arguments and its tests.
 
 ``PTX`` (constexpr): True on the GPU: decode MXFP4 codes with inline PTX (``_E2M1X4_ASM``; sm_80+, bf16x2
@@ -51,6 +52,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.target_info import cuda_capability_geq
+
+from moe_extension.quant.mxfp4_mma import MMA_EXCESS
 
 WFMT_DENSE = 0
 WFMT_MXFP4 = 1
@@ -153,44 +156,46 @@ def mxfp4_decode(q, s, PTX: tl.constexpr):
     return lo, hi
 
 
-# The MMA layout's word -> the 4 bf16x2 fragment registers (a, h) = (0, 0), (0, 1), (1, 0), (1, 1): rotate, mask
-# (moe_extension.quant.mxfp4_mma: MMA_ROTATIONS, MMA_SPLIT, MMA_MASK), times 2^126 (an FMA with -0: exact, and
-# sm_80's bf16x2 arithmetic). Elements: byte b of the word's 4 -> register (a, b // 2), lane b % 2.
+# The MMA layout's word and its two scale factors -> the 4 bf16x2 fragment registers (a, h) = (0, 0), (0, 1),
+# (1, 0), (1, 1): rotate, mask (moe_extension.quant.mxfp4_mma: MMA_ROTATIONS, MMA_SPLIT, MMA_MASK), times the
+# factor of row h (an FMA with -0: exact, and sm_80's bf16x2 arithmetic). Elements: byte b of the word's 4 ->
+# register (a, b // 2), lane b % 2; the factors come as 4 bf16 per word, the factor of byte b's row (so $5 holds
+# row g's factor twice, $6 row g + 8's).
 _MMA_WORD_ASM = tl.constexpr("""
 {
-.reg .b32 t, u, b, nz;
-mov.b32 b, 0x7E807E80;
+.reg .b32 t, u, nz;
 mov.b32 nz, 0x80008000;
 and.b32 t, $4, 0x81C081C0;
-fma.rn.bf16x2 $0, t, b, nz;
+fma.rn.bf16x2 $0, t, $5, nz;
 shf.l.wrap.b32 t, $4, $4, 4;
 and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $1, t, b, nz;
+fma.rn.bf16x2 $1, t, $6, nz;
 shf.l.wrap.b32 t, $4, $4, 10;
 and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $2, t, b, nz;
+fma.rn.bf16x2 $2, t, $5, nz;
 shf.l.wrap.b32 t, $4, $4, 6;
 and.b32 t, t, 0x00400040;
 shf.l.wrap.b32 u, $4, $4, 14;
 lop3.b32 t, u, 0x81808180, t, 0xEA;
-fma.rn.bf16x2 $3, t, b, nz;
+fma.rn.bf16x2 $3, t, $6, nz;
 }
 """)
 
-# E8M0 bytes -> bf16 2^(s - 127): the byte shifted into the exponent, the maximum with 2^-127 for s = 0; s = 255
-# gives +inf (times the zero codes of a NaN group: NaN).
-_MMA_SCALE_ASM = tl.constexpr("""
-{
-.reg .b32 t, lo;
-mov.b32 lo, 0x00400040;
+# Scale bytes s of the MMA layout -> bf16 factors 2^(s - 21): exponent field s + 106 (126 - MMA_EXCESS), mantissa 0,
+# one multiply-add per two bytes; the NaN byte MMA_NAN_SCALE gives +inf, which times the zero codes of a NaN group
+# is NaN.
+_MMA_FIELD = 126 - MMA_EXCESS  # added to a scale byte: the factor's bf16 exponent field
+_MMA_SCALE_ASM = tl.constexpr(f"""
+{{
+.reg .b32 t;
 prmt.b32 t, $2, 0, 0x4140;
-shl.b32 t, t, 7;
-max.bf16x2 $0, t, lo;
+mad.lo.u32 $0, t, 128, {(_MMA_FIELD << 7) * 0x10001:#x};
 prmt.b32 t, $2, 0, 0x4342;
-shl.b32 t, t, 7;
-max.bf16x2 $1, t, lo;
-}
+mad.lo.u32 $1, t, 128, {(_MMA_FIELD << 7) * 0x10001:#x};
+}}
 """)
+_MMA_FIELD_C = tl.constexpr(_MMA_FIELD)
+_MMA_ACC_FACTOR = tl.constexpr(float(2**MMA_EXCESS))
 
 
 @triton.jit
@@ -211,12 +216,13 @@ def _mma_lanes(reg):
 
 
 @triton.jit
-def _mma_words(q, PTX: tl.constexpr):
-    """uint8 [..., 4 W] bytes of MMA-layout words -> (a = 0, a = 1) tiles of the same shape: element b of a
-    word is lane b % 2 of fragment register (a, b // 2): bf16 with PTX, else the same values in fp32."""
+def _mma_words(q, f, PTX: tl.constexpr):
+    """uint8 [..., 4 W] bytes of MMA-layout words and the factor of each byte's row (``_mma_scales``, broadcast)
+    -> (a = 0, a = 1) tiles of the same shape: element b of a word is lane b % 2 of fragment register (a, b // 2)
+    times its factor: bf16 with PTX, else the same values in fp32."""
     if PTX:
-        w0, w1 = tl.inline_asm_elementwise(_MMA_WORD_ASM, "=r,=r,=r,=r,r", [q], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=True, pack=4)
+        w0, w1 = tl.inline_asm_elementwise(_MMA_WORD_ASM, "=r,=r,=r,=r,r,r,r", [q, f],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         R: tl.constexpr = q.shape[0]
         C: tl.constexpr = q.shape[1]
@@ -233,27 +239,28 @@ def _mma_words(q, PTX: tl.constexpr):
         l10, h10 = _mma_lanes(regs10)
         l11, h11 = _mma_lanes(regs11)
         # byte b = 2 h + i
-        w0 = tl.reshape(tl.join(tl.join(l00, h00), tl.join(l01, h01)).permute(0, 1, 3, 2), (R, C))
-        w1 = tl.reshape(tl.join(tl.join(l10, h10), tl.join(l11, h11)).permute(0, 1, 3, 2), (R, C))
+        w0 = tl.reshape(tl.join(tl.join(l00, h00), tl.join(l01, h01)).permute(0, 1, 3, 2), (R, C)) * f
+        w1 = tl.reshape(tl.join(tl.join(l10, h10), tl.join(l11, h11)).permute(0, 1, 3, 2), (R, C)) * f
     return w0, w1
 
 
 @triton.jit
 def _mma_scales(s, PTX: tl.constexpr):
-    """uint8 E8M0 scales -> 2^(s - 127) (s = 0: 2^-127; s = 255: +inf): bf16 with PTX, else fp32."""
+    """uint8 MMA-layout scale bytes s -> with PTX the bf16 factors 2^(s - 21) by which a decoded code (its value
+    times 2^-126) becomes its weight times 2^-MMA_EXCESS; else the fp32 factors 2^(s - 147) of the exact code values
+    (the same products). MMA_NAN_SCALE gives +inf."""
     if PTX:
         out = tl.inline_asm_elementwise(_MMA_SCALE_ASM, "=r,=r,r", [s], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
-        s32 = s.to(tl.uint32)
-        out = tl.where(s32 == 0, tl.full([], 0x00400000, tl.uint32), s32 << 23).to(tl.float32, bitcast=True)
+        out = ((s.to(tl.uint32) + _MMA_FIELD_C) << 23).to(tl.float32, bitcast=True) * 1.1754943508222875e-38
     return out
 
 
 @triton.jit
 def _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
-    """The decoded, scaled weight tile [16 B, BLOCK_K] (natural row and column order) of one MMA-layout step
-    whose codes / scales ``weight_ptrs`` gives as [B, BLOCK_K * 8] / [B, BLOCK_K / 2]; chunks of 64 columns
-    from ``k_left`` on read as 0."""
+    """The decoded tile [16 B, BLOCK_K] (natural row and column order) of one MMA-layout step whose codes /
+    scales ``weight_ptrs`` gives as [B, BLOCK_K * 8] / [B, BLOCK_K / 2]: the weights times 2^-MMA_EXCESS
+    (``acc_finish`` multiplies the accumulator back); chunks of 64 columns from ``k_left`` on read as 0."""
     B: tl.constexpr = ptrs.shape[0]
     C: tl.constexpr = BLOCK_K // 64
     if EVEN_K:
@@ -263,12 +270,12 @@ def _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.cons
         nch = tl.cdiv(k_left, 64)
         q = tl.load(ptrs, mask=(tl.arange(0, C * 512) // 512 < nch)[None, :], other=0)
         s = tl.load(s_ptrs, mask=(tl.arange(0, C * 32) // 32 < nch)[None, :], other=127)
-    w0, w1 = _mma_words(q, PTX)
+    # scales [B, (chunk, g, h, group)] -> per code byte [B, (chunk, g, t, step = (group, k8), h, i)]
+    f = tl.permute(tl.reshape(_mma_scales(s, PTX), (B, C, 8, 2, 2)), (0, 1, 2, 4, 3))
+    f = tl.broadcast_to(tl.reshape(f, (B, C, 8, 1, 2, 1, 2, 1)), (B, C, 8, 4, 2, 2, 2, 2))
+    w0, w1 = _mma_words(q, tl.reshape(f, (B, C * 512)), PTX)
     # [B, (chunk, g, t, step, h, i)] x a -> rows (band, h, g), columns (chunk, step, a, t, i)
-    w = tl.join(w0, w1).reshape(B, C, 8, 4, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 7, 3, 6).reshape(16 * B, BLOCK_K)
-    sc = _mma_scales(s, PTX).reshape(B, C, 8, 2, 2).permute(0, 3, 2, 1, 4).reshape(16 * B, BLOCK_K // 32)
-    sc = tl.broadcast_to(tl.reshape(sc, (16 * B, BLOCK_K // 32, 1)), (16 * B, BLOCK_K // 32, 32))
-    return w * tl.reshape(sc, (16 * B, BLOCK_K))
+    return tl.join(w0, w1).reshape(B, C, 8, 4, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 7, 3, 6).reshape(16 * B, BLOCK_K)
 
 
 @triton.jit
@@ -472,6 +479,15 @@ def dot_tile(acc, a, a_scale, w, s_ptrs, WFMT: tl.constexpr, PTX: tl.constexpr, 
         acc += _fp8_dot(aq, w, PTX) * a_s[:, None] * tl.load(s_ptrs)[None, :]
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def acc_finish(acc, WFMT: tl.constexpr):
+    """The accumulator of a finished reduction (tensor-core steps): the MMA layout's steps multiply weights
+    times 2^-MMA_EXCESS (its scale factors stay bf16 numbers), so its accumulator is scaled back (exact)."""
+    if WFMT == 3:
+        acc = acc * _MMA_ACC_FACTOR
     return acc
 
 

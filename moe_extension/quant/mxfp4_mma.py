@@ -15,16 +15,22 @@ inside each 16-row band differs. Per band of 16 rows and per 64 columns (a chunk
   2t + 8, 2t + 9`` of the step; register ``(a, h)`` of the fragment (``h``: row g + 8, ``a``: column + 8)
   holds in its two bf16 lanes ``i`` the columns ``2t + i``. Each code is placed so that rotating the word
   left by ``MMA_ROTATIONS[(a, h)]`` and masking with ``0x81C081C0`` leaves its sign at bit 15 and its
-  magnitude (exponent bits, mantissa bit) at bits 8..6 of lane ``i``: the bf16 ``e2m1 * 2^-126``, which a
-  multiply by 2^126 makes exact (codes 0 and 0.5 land on bf16 subnormals). Register (1, 1) takes two pieces:
-  sign and two magnitude bits by a rotation of 14 (mask ``0x81808180``), the low magnitude bit by 6
+  magnitude (exponent bits, mantissa bit) at bits 8..6 of lane ``i``: the bf16 ``e2m1 * 2^-126`` (codes 0
+  and 0.5 land on bf16 subnormals), which one multiply by its group's factor (below) scales. Register (1, 1)
+  takes two pieces: sign and two magnitude bits by a rotation of 14 (mask ``0x81808180``), the low magnitude bit by 6
   (mask ``0x00400040``).
 - scales: per chunk, ``[8 (g), 2 (h), 2 (32-column group)]`` bytes: lane group ``g`` reads its four scales
-  with one 4-byte load.
+  with one 4-byte load. A byte is the E8M0 scale ``s`` (``2^(s - 127)``) of the checkpoint, for ``s`` from 0 to
+  ``MMA_MAX_SCALE`` (148: scales up to 2^21); ``prepare_mxfp4_mma`` refuses larger finite scales (use
+  ``quant="mxfp4"`` for such weights). The kernels turn a byte into the bf16 factor ``2^(s - 21)`` (exponent
+  field ``s + 106``), and one FMA multiplies the decoded code (``e2m1 * 2^-126``) by it, so each weight comes out
+  as ``e2m1 * 2^(s - 127) * 2^-MMA_EXCESS``; the accumulator is multiplied by ``2^MMA_EXCESS`` once
+  after the reduction (both exact, for scales from 2^-105 on; below that the products are bf16 subnormals).
+- NaN groups (E8M0 255) store the byte ``MMA_NAN_SCALE`` (149, whose factor is +inf) and zero codes: 0 * inf is
+  the NaN the group must give.
 
-Groups with the NaN scale (255) store zero codes: the kernels turn scale 255 into +inf, and 0 * inf is the
-NaN the group must give. ``unprepare_mxfp4_mma`` returns the checkpoint layout (with those codes zeroed);
-``dequantize_mxfp4_mma`` the fp32 weights.
+``unprepare_mxfp4_mma`` returns the checkpoint layout (codes of NaN groups 0, their scales 255);
+``dequantize_mxfp4_mma`` the fp32 weights. Scale bytes 150..255 are not part of the layout.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from moe_extension.quant.mxfp4 import E8M0_NAN, dequantize_mxfp4
 MMA_ROWS = 16  # rows per band
 MMA_COLS = 64  # columns per chunk
 MMA_MASK = 0x81C081C0
+MMA_MAX_SCALE = 148  # the largest finite E8M0 byte the layout holds (2^21)
+MMA_NAN_SCALE = 149  # the layout's byte of NaN groups (factor exponent field 255: +inf)
+MMA_EXCESS = 20  # decoded weights are 2^-MMA_EXCESS times their value; the kernels scale the accumulator back
 # Rotation (left) of the word that aligns fragment register (a, h)'s codes with MMA_MASK; (1, 1) is split.
 MMA_ROTATIONS = {(0, 0): 0, (0, 1): 4, (1, 0): 10}
 MMA_SPLIT = ((14, 0x81808180), (6, 0x00400040))
@@ -77,6 +86,11 @@ def prepare_mxfp4_mma(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
     ``(q, s)`` in the MMA layout, contiguous, same shapes and device. Once, at weight-load time: it builds
     the words per leading index (one expert's temporaries at a time)."""
     check_mxfp4_mma_shape(packed, scales)
+    big = (scales > MMA_MAX_SCALE) & (scales != E8M0_NAN)
+    if bool(big.any()):
+        raise ValueError(f"prepare_mxfp4_mma: scales must be at most 2^{MMA_MAX_SCALE - 127} (E8M0 byte <= "
+                         f"{MMA_MAX_SCALE}) or NaN (255), got byte {int(scales[big].max())} (use quant='mxfp4' for "
+                         f"these weights)")
     rows, cols = packed.shape[-2], 2 * packed.shape[-1]
     p2 = packed.reshape(-1, rows, cols // 2)
     s2 = scales.reshape(-1, rows, cols // 32)
@@ -93,12 +107,14 @@ def prepare_mxfp4_mma(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
             for bit in range(4):
                 words |= ((code >> bit) & 1) << _source_bit(a, h, i, bit)
         q_out[e] = words.view(torch.uint8).reshape(rows, cols // 2)
+    s2 = torch.where(s2 == E8M0_NAN, MMA_NAN_SCALE, s2)
     s_out = s2.reshape(-1, bands, 2, 8, chunks, 2).permute(0, 1, 4, 3, 2, 5).reshape(-1, rows, cols // 32)
     return q_out.reshape(packed.shape), s_out.contiguous().reshape(scales.shape)
 
 
 def unprepare_mxfp4_mma(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of ``prepare_mxfp4_mma``: checkpoint-layout ``(packed, scales)`` (codes of NaN groups 0)."""
+    """The inverse of ``prepare_mxfp4_mma``: checkpoint-layout ``(packed, scales)`` (codes of NaN groups 0, their
+    scales 255)."""
     check_mxfp4_mma_shape(q, s, "unprepare_mxfp4_mma")
     lead = q.shape[:-2]
     rows, cols = q.shape[-2], 2 * q.shape[-1]
@@ -113,6 +129,7 @@ def unprepare_mxfp4_mma(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor,
         codes[:, :, h, :, :, :, a, :, i] = code.permute(0, 1, 3, 2, 5, 4)  # band, g, chunk, step, t
     codes = codes.reshape(n, rows, cols // 2, 2).to(torch.uint8)
     packed = codes[..., 0] | (codes[..., 1] << 4)
+    s = torch.where(s == MMA_NAN_SCALE, E8M0_NAN, s)
     scales = s.contiguous().reshape(n, bands, chunks, 8, 2, 2).permute(0, 1, 4, 3, 2, 5).reshape(n, rows, cols // 32)
     return packed.reshape(*lead, rows, cols // 2), scales.contiguous().reshape(*lead, rows, cols // 32)
 
