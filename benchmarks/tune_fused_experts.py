@@ -32,6 +32,11 @@ sorted intermediate. Configs are sanitized for MXFP4, the end-to-end timings and
 ``fused_experts_triton(..., quant="mxfp4", w1_scale, w2_scale)``, and the entries go under the key with
 ``,quant=mxfp4`` (``table_key(..., "mxfp4")``).
 
+``--quant mxfp4_mma``: the same MXFP4 stacks prepared into the MMA layout (``prepare_mxfp4_mma``; contiguous,
+so ``--weight-layout linear`` only, K and N multiples of 64), the sorted schedule only (the layout has no GEMV),
+its own tile lists (block_k 128; 128 or 256 weight rows per tile on 4 or 8 warps; split reductions of gemm2 for
+few row blocks); entries under ``,quant=mxfp4_mma``.
+
 ``--quant fp8_block``: fp8 block weights (e4m3 values of about N(0, 16) with fp32 scales per 128 x 128 block;
 default model deepseek-v3). The search takes fp8's own tiles (block_k 128, 128-column outputs, at most 64
 rows per block: ``sanitize``'s rules), each with and without TMA weight tiles and TMA rows (gemm1: its token rows
@@ -68,6 +73,7 @@ MODELS = {
 DEFAULT_MODELS = {
     "none": ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"),
     "mxfp4": ("gpt-oss-120b", "gpt-oss-20b"),
+    "mxfp4_mma": ("gpt-oss-120b", "gpt-oss-20b"),
     "fp8_block": ("deepseek-v3",),
 }
 MXFP4_QUANTIZE_CHUNK = 8  # experts quantized at a time (fp32 temporaries of ~0.5 GB per 8 gpt-oss W1s)
@@ -80,12 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--quant", choices=("none", "mxfp4", "fp8_block"), default="none",
-                   help="expert weight format: 'none' = weights in --dtype; 'mxfp4' / 'fp8_block' = quantized "
-                        "weights, --dtype activations (default: %(default)s)")
+    p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
+                   help="expert weight format: 'none' = weights in --dtype; 'mxfp4' / 'mxfp4_mma' / 'fp8_block' = "
+                        "quantized weights, --dtype activations (default: %(default)s)")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
-                   help=f"models to tune (default: {' '.join(DEFAULT_MODELS['none'])}; with --quant mxfp4 "
-                        f"{' '.join(DEFAULT_MODELS['mxfp4'])}; with --quant fp8_block "
+                   help=f"models to tune (default: {' '.join(DEFAULT_MODELS['none'])}; with --quant mxfp4 or "
+                        f"mxfp4_mma {' '.join(DEFAULT_MODELS['mxfp4'])}; with --quant fp8_block "
                         f"{' '.join(DEFAULT_MODELS['fp8_block'])})")
     p.add_argument("--shape", nargs=4, type=int, action="append", metavar=("E", "TOPK", "K", "N"), default=[],
                    help="extra expert shape to tune (repeatable)")
@@ -100,12 +106,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.models is None:
         args.models = list(DEFAULT_MODELS[args.quant])
-    if args.quant == "mxfp4":
+    if args.quant in ("mxfp4", "mxfp4_mma"):
         from moe_extension.quant import MXFP4_BLOCK
+        from moe_extension.quant.mxfp4_mma import MMA_COLS
 
-        odd = [s for s in args.shape if s[2] % MXFP4_BLOCK or s[3] % MXFP4_BLOCK]
+        mult = MXFP4_BLOCK if args.quant == "mxfp4" else MMA_COLS
+        odd = [s for s in args.shape if s[2] % mult or s[3] % mult]
         if odd:
-            p.error(f"--quant mxfp4 needs K and N multiples of {MXFP4_BLOCK}; --shape {odd}")
+            p.error(f"--quant {args.quant} needs K and N multiples of {mult}; --shape {odd}")
+    if args.quant == "mxfp4_mma" and args.weight_layout != "linear":
+        p.error("--quant mxfp4_mma: the MMA layout is contiguous (--weight-layout linear)")
     return args
 
 
@@ -181,6 +191,30 @@ def mxfp4_gemm2_candidates(block_m: int, small: bool):
     return [G(256, 64, 8, 3), G(128, 64, 8, 4), G(128, 64, 4, 4), G(256, 64, 4, 3)]
 
 
+def mxfp4_mma_gemm1_candidates(block_m: int):
+    """gemm1 tiles for MXFP4 in the MMA layout (128-column steps; 2 x block_n weight rows, at least 128, as the MMA's
+    M: ``mxfp4_mma_tiles``), each list led by the heuristic's 128 rows on 4 warps. 256 rows on 4 warps at block_m
+    >= 64 is left out: it ran 9-10x slower on the H100 (gpt-oss-120b, M 4096: 4366 against 476 us on 8 warps)."""
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    if block_m <= 32:
+        return [G(64, 128, 4, 4), G(128, 128, 8, 4), G(64, 128, 4, 6), G(128, 128, 4, 4), G(128, 128, 8, 6)]
+    return [G(64, 128, 4, 3), G(128, 128, 8, 3), G(64, 128, 4, 4), G(128, 128, 8, 4)]
+
+
+def mxfp4_mma_gemm2_candidates(block_m: int, small: bool):
+    """gemm2 (+ slot sum) tiles for MXFP4 in the MMA layout (block_n weight rows, at least 128, as the MMA's M), led
+    by the heuristic's; ``small`` (few row blocks) adds split reductions."""
+    from moe_extension.kernels._configs import GemmConfig as G
+
+    if block_m <= 32:
+        base = [G(128, 128, 4, 4), G(256, 128, 8, 4), G(256, 128, 4, 4), G(128, 128, 4, 6)]
+        if small:
+            base += [dataclasses.replace(base[0], split_k=s) for s in (2, 4, 8)]
+        return base
+    return [G(128, 128, 4, 3), G(256, 128, 8, 3), G(128, 128, 4, 4), G(256, 128, 8, 4)]
+
+
 def fp8_gemm1_candidates(block_m: int):
     """gemm1 tiles for fp8 block weights: 128 x (2 x 128) weight rows per 128-column step (the heuristic's tile
     first), deeper pipelines and L2 super-groups."""
@@ -206,10 +240,10 @@ def with_tma(candidates, weights_only: bool = False, quant: str = "none"):
     sorted rows; gemm1: the token rows copied into sorted order, the copy timed with it); with
     ``weights_only`` (gemm1) also with TMA loads of the weight tiles alone.
 
-    MXFP4 (``quant="mxfp4"``): its weight tiles are always pointer loads (packed bytes and scales, decoded
-    in registers), so gemm2 gets only the variant with TMA loads of its sorted rows, and gemm1
+    MXFP4 (``quant="mxfp4"`` / ``"mxfp4_mma"``): its weight tiles are always pointer loads (packed bytes and
+    scales, decoded in registers), so gemm2 gets only the variant with TMA loads of its sorted rows, and gemm1
     (``weights_only``) no variant."""
-    if quant == "mxfp4":
+    if quant in ("mxfp4", "mxfp4_mma"):
         return list(candidates) if weights_only else [
             g for c in candidates for g in (c, dataclasses.replace(c, tma_a=True))]
     if quant == "fp8_block":  # every combination: TMA weights and TMA rows each pay on some shapes
@@ -231,6 +265,9 @@ def sorted_candidates(block_m: int, small: bool, dtype, N: int, K: int, quant: s
     elif quant == "fp8_block":
         g1s = with_tma(fp8_gemm1_candidates(block_m), quant=quant)
         g2s = with_tma(fp8_gemm2_candidates(block_m, small), quant=quant)
+    elif quant == "mxfp4_mma":
+        g1s = with_tma(mxfp4_mma_gemm1_candidates(block_m), weights_only=True, quant=quant)
+        g2s = with_tma(mxfp4_mma_gemm2_candidates(block_m, small), quant=quant)
     else:
         g1s = with_tma(mxfp4_gemm1_candidates(block_m), weights_only=True, quant=quant)
         g2s = with_tma(mxfp4_gemm2_candidates(block_m, small), quant=quant)
@@ -317,19 +354,23 @@ def make_weights(E, K, N, dtype, layout):
     return stack(2 * N, K), stack(K, N)
 
 
-def make_mxfp4_weights(E, K, N, layout):
-    """(w1, w2) as ``WeightOperand(packed, scales, "mxfp4")`` of random normal / sqrt(cols) weights quantized
+def make_mxfp4_weights(E, K, N, layout, quant="mxfp4"):
+    """(w1, w2) as ``WeightOperand(packed, scales, quant)`` of random normal / sqrt(cols) weights quantized
     on the GPU (``quantize_mxfp4``, MXFP4_QUANTIZE_CHUNK experts at a time): w1 packed ``[E, 2N, K/2]`` +
     scales ``[E, 2N, K/32]``, w2 ``[E, K, N/2]`` + ``[E, K, N/32]``; contiguous ('linear') or transposed views
-    of ``[E, K/2, 2N]`` / ``[E, K/32, 2N]`` (w2: ``[E, N/2, K]`` / ``[E, N/32, K]``) storage ('transposed')."""
+    of ``[E, K/2, 2N]`` / ``[E, K/32, 2N]`` (w2: ``[E, N/2, K]`` / ``[E, N/32, K]``) storage ('transposed').
+    ``quant="mxfp4_mma"``: the same stacks prepared into the MMA layout (``prepare_mxfp4_mma``; linear only)."""
     import harness
     from moe_extension.kernels._weight_formats import WeightOperand
+    from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
 
     def as_layout(t):
         return t if layout == "linear" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
     def stack(rows, cols):
         packed, scales, _ = harness.random_mxfp4_stack(E, rows, cols, DEVICE, MXFP4_QUANTIZE_CHUNK)
+        if quant == "mxfp4_mma":
+            return WeightOperand(*prepare_mxfp4_mma(packed, scales), quant)
         return WeightOperand(as_layout(packed), as_layout(scales), "mxfp4")
 
     w1, w2 = stack(2 * N, K), stack(K, N)
@@ -521,8 +562,9 @@ def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     finalists = []
-    # fp8 block: the sorted schedule only (its GEMVs lose at decode too: the NOTE in heuristic_config)
-    if quant != "fp8_block" and (use_direct(M, E, topk) or M <= 4):
+    # fp8 block: the sorted schedule only (its GEMVs lose at decode too: the NOTE in heuristic_config); the MMA
+    # layout has no GEMV
+    if quant not in ("fp8_block", "mxfp4_mma") and (use_direct(M, E, topk) or M <= 4):
         d = tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row)
         if d:
             finalists.append(d[1])
@@ -579,8 +621,8 @@ def main(argv=None) -> int:
         key = table_key(E, N, K, topk, dtype, linear, linear, args.quant)
         print(f"== {name} ({key})")
         entry = configs.setdefault(key, {})
-        if args.quant == "mxfp4":
-            w1, w2 = make_mxfp4_weights(E, K, N, args.weight_layout)
+        if args.quant in ("mxfp4", "mxfp4_mma"):
+            w1, w2 = make_mxfp4_weights(E, K, N, args.weight_layout, args.quant)
         elif args.quant == "fp8_block":
             w1, w2 = make_fp8_weights(E, K, N, args.weight_layout)
         else:

@@ -3,11 +3,11 @@ shapes, and one sorted-path cell tuned on the GPU from a cut-down candidate list
 
 Anywhere: the options (``--quant``, the default models of each), the MXFP4 candidates (block_k 64 or 128, no
 TMA weight tiles, TMA rows for gemm2 only, the H100's gpt-oss-120b tiles among them; each one as sanitize leaves
-it), the bf16 lists as before, the MXFP4 weights in both layouts, and whole runs of ``main`` on a tiny shape
-with the timings faked (the launches, the correctness check against the heuristic and the table file real; on
-the GPU where there is one, else in Triton's interpreter): the MXFP4 run (transposed views) writes the
-``,quant=mxfp4`` key and never asks about the persistent gemm2, the dense run writes the key it always wrote;
-and the direct path's GEMVs on MXFP4 weights.
+it), the MMA layout's candidates, the bf16 lists as before, the MXFP4 weights in both layouts, and whole runs of
+``main`` on a tiny shape with the timings faked (the launches, the correctness check against the heuristic and the
+table file real; on the GPU where there is one, else in Triton's interpreter): the MXFP4 runs (transposed views;
+the MMA layout) write the ``,quant=mxfp4`` / ``,quant=mxfp4_mma`` keys and never ask about the persistent gemm2,
+the dense run writes the key it always wrote; and the direct path's GEMVs on MXFP4 weights.
 
 On the GPU only (the tuner times by CUDA-graph replay): the sorted path's search also times its second-GEMM
 winner with TMA rows as the persistent kernel (sm_90+), the cell's winner is a config ``sanitize`` leaves as it
@@ -63,9 +63,11 @@ def test_options_quant_and_default_models():
     assert (args.models, args.weight_layout, args.shape) == (["qwen3-30b-a3b"], "transposed", [[8, 2, 64, 96]])
     assert tune.parse_args(["--models", "gpt-oss-20b"]).models == ["gpt-oss-20b"]
     assert tune.parse_args(["--quant", "fp8_block"]).models == ["deepseek-v3"]
+    assert tune.parse_args(["--quant", "mxfp4_mma"]).models == ["gpt-oss-120b", "gpt-oss-20b"]
     assert tune.MODELS["deepseek-v3"] == dict(E=256, topk=8, K=7168, N=2048)
     for argv in (["--quant", "int4"], ["--quant", "mxfp4", "--shape", "8", "2", "64", "40"],
-                 ["--models", "gpt-oss-7b"]):
+                 ["--models", "gpt-oss-7b"], ["--quant", "mxfp4_mma", "--shape", "8", "2", "64", "96"],
+                 ["--quant", "mxfp4_mma", "--weight-layout", "transposed"]):
         with pytest.raises(SystemExit):
             tune.parse_args(argv)
 
@@ -84,6 +86,24 @@ def test_mxfp4_candidates(block_m, small):
     assert {g for g in g2s if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in g2s if not g.tma_a}
     want1, want2 = H100_MXFP4_TILES[16 if block_m <= 32 else block_m]  # block_m 32 takes block_m 16's tiles
     assert set(want1) <= {_tile(g) for g in g1s} and set(want2) <= {_tile(g) for g in g2s}
+    assert any(g.split_k > 1 for g in g2s) == (small and block_m <= 32)
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+@pytest.mark.parametrize("small", [False, True])
+def test_mxfp4_mma_candidates(block_m, small):
+    """The MMA layout: 128-column steps, at least 128 weight rows per tile (32 per warp), pointer loads of the
+    weights; each candidate as sanitize leaves it."""
+    g1s, g2s = tune.sorted_candidates(block_m, small, torch.bfloat16, 2880, 2880, "mxfp4_mma")
+    for gs, which, rows in ((g1s, "gemm1", 2), (g2s, "gemm2", 1)):
+        assert gs and len(set(gs)) == len(gs)
+        assert all(g.block_k == 128 and rows * g.block_n >= 128 and not g.tma_weights and not g.persistent
+                   and rows * g.block_n >= 32 * g.num_warps for g in gs)
+        for g in gs:
+            cfg = MoeConfig("sorted", block_m, g, g)
+            assert getattr(sanitize(cfg, torch.bfloat16, 2880, 2880, 4, "mxfp4_mma"), which) == g
+    assert not any(g.tma_a for g in g1s), "gemm1: no TMA variants"
+    assert {g for g in g2s if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in g2s if not g.tma_a}
     assert any(g.split_k > 1 for g in g2s) == (small and block_m <= 32)
 
 
@@ -187,6 +207,8 @@ def fake_gpu(monkeypatch):
 # One tile each: the interpreter takes 0.1-0.2 s per launch of these tiles (the GEMVs of the direct path take
 # seconds, so the runs tune M = 16: the sorted path only).
 ONE_TILE = dict(mxfp4_gemm1_candidates=lambda block_m: [GemmConfig(32, 64, 4, 3)],
+                mxfp4_mma_gemm1_candidates=lambda block_m: [GemmConfig(64, 128, 4, 2)],
+                mxfp4_mma_gemm2_candidates=lambda block_m, small: [GemmConfig(128, 128, 4, 2)],
                 mxfp4_gemm2_candidates=lambda block_m, small: [GemmConfig(32, 64, 4, 3)],
                 gemm1_candidates=lambda block_m: [GemmConfig(32, 32, 4, 3)],
                 gemm2_candidates=lambda block_m, small: [GemmConfig(32, 32, 4, 3)],
@@ -194,14 +216,16 @@ ONE_TILE = dict(mxfp4_gemm1_candidates=lambda block_m: [GemmConfig(32, 64, 4, 3)
                 fp8_gemm2_candidates=lambda block_m, small: [GemmConfig(128, 128, 4, 2)])
 
 
-@pytest.mark.parametrize("quant, layout", [("mxfp4", "transposed"), ("none", "linear"), ("fp8_block", "linear")])
+@pytest.mark.parametrize("quant, layout", [("mxfp4", "transposed"), ("mxfp4_mma", "linear"), ("none", "linear"),
+                                           ("fp8_block", "linear")])
 def test_run_writes_the_key_of_the_format(fake_gpu, monkeypatch, tmp_path, capsys, quant, layout):
     # fp16 for the dense and fp8 runs: the interpreter's bf16 dot is wrong (MXFP4 multiplies in fp32 there)
-    dtype = torch.bfloat16 if quant == "mxfp4" else torch.float16
+    dtype = torch.bfloat16 if quant.startswith("mxfp4") else torch.float16
     for name, fn in ONE_TILE.items():
         monkeypatch.setattr(tune, name, fn)
     weights = []
-    maker = {"mxfp4": "make_mxfp4_weights", "fp8_block": "make_fp8_weights"}.get(quant, "make_weights")
+    maker = {"mxfp4": "make_mxfp4_weights", "mxfp4_mma": "make_mxfp4_weights",
+             "fp8_block": "make_fp8_weights"}.get(quant, "make_weights")
     make = getattr(tune, maker)
     monkeypatch.setattr(tune, maker, lambda *a: weights.append(make(*a)) or weights[-1])
     persistent_asked = []
