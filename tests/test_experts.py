@@ -18,6 +18,7 @@ from moe_extension.experts import (
     TritonOrDeepGemmExperts,
     UnfusedOAITritonExperts,
     moe_problem_size,
+    prepare_held_mxfp4_mma,
 )
 from moe_extension.experts.base import resize_workspace
 from moe_extension.backends.deep_gemm import contiguous_layout, permuted_rows
@@ -443,6 +444,33 @@ def _storage(t):
     return t.untyped_storage().data_ptr()
 
 
+def test_held_mxfp4_mma_layout():
+    """prepare_held_mxfp4_mma: the held stacks in the tensor-core layout, as [E, in, out] views whose ops views
+    are contiguous; the ops give the checkpoint layout's output bit for bit on the CPU (which undoes the layout);
+    None where the layout does not take the weights."""
+    E, N, K, M, topk = 3, 64, 128, 6, 2
+    op = make_weights(E, N, K, "mxfp4", bias=True, seed=5)
+    h = held(op)
+    got = prepare_held_mxfp4_mma(h["w1"], h["w2"], h["w1_scale"], h["w2_scale"])
+    for name, t in zip(("w1", "w2", "w1_scale", "w2_scale"), got):
+        assert t.shape == h[name].shape and t.transpose(1, 2).is_contiguous(), name
+    assert not torch.equal(got[0], h["w1"]), "the codes are reordered"
+    weights, ids, _ = make_routing(M, topk, E, seed=5)
+    x = make_x(M, K, torch.bfloat16)
+    mma = torch.ops.moe_ext.fused_experts(x, got[0].transpose(1, 2), got[1].transpose(1, 2), weights, ids,
+                                          quant="mxfp4_mma", w1_scale=got[2].transpose(1, 2),
+                                          w2_scale=got[3].transpose(1, 2), w1_bias=op["w1_bias"],
+                                          w2_bias=op["w2_bias"])
+    ref = torch.ops.moe_ext.fused_experts(x, op["w1"], op["w2"], weights, ids, quant="mxfp4", w1_scale=op["w1_scale"],
+                                          w2_scale=op["w2_scale"], w1_bias=op["w1_bias"], w2_bias=op["w2_bias"])
+    assert torch.equal(mma, ref)
+    narrow = held(make_weights(E, 96, K, "mxfp4"))  # N % 64 != 0
+    assert prepare_held_mxfp4_mma(narrow["w1"], narrow["w2"], narrow["w1_scale"], narrow["w2_scale"]) is None
+    big = h["w2_scale"].clone()
+    big[1, 0, 3] = 150  # 2^23: above the layout's 2^21
+    assert prepare_held_mxfp4_mma(h["w1"], h["w2"], h["w1_scale"], big) is None
+
+
 @pytest.mark.parametrize("cls", [*MODULAR, OAITritonMxfp4ExpertsMonolithic, TritonOrDeepGemmExperts],
                          ids=lambda c: c.__name__)
 def test_ops_get_transposed_views_not_copies(cls):
@@ -618,6 +646,37 @@ def test_classes_on_gpu(cls, quant):
         out = experts.apply(x, weights, ids, expert_map)
     assert out.is_cuda
     check_close(out, op, x, weights, ids, "swigluoai", quant, expert_map, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls", [*MODULAR, OAITritonMxfp4ExpertsMonolithic], ids=lambda c: c.__name__)
+def test_mxfp4_held_in_the_mma_layout_on_gpu(cls):
+    """On CUDA with the default backend the classes hold MXFP4 in the tensor-core layout and call the ops with
+    quant="mxfp4_mma" (the same output as the op on weights prepared by hand, bit for bit); backend "torch" and
+    shapes the layout does not take keep the checkpoint layout."""
+    E, N, K, M, topk = 8, 128, 192, 40, 4
+    op = make_weights(E, N, K, "mxfp4", bias=True, seed=47, device="cuda")
+    experts = build(cls, op, "mxfp4")
+    assert experts.op_quant == "mxfp4_mma" and experts.quant == "mxfp4"
+    assert build(cls, op, "mxfp4", backend="torch").op_quant == "mxfp4"
+    assert build(cls, make_weights(E, 96, K, "mxfp4", device="cuda"), "mxfp4").op_quant == "mxfp4"
+    h = held(op)
+    q1, q2, s1, s2 = (t.transpose(1, 2) for t in prepare_held_mxfp4_mma(h["w1"], h["w2"], h["w1_scale"],
+                                                                         h["w2_scale"]))
+    x = make_x(M, K, torch.bfloat16, seed=47, device="cuda")
+    kwargs = dict(quant="mxfp4_mma", w1_scale=s1, w2_scale=s2, w1_bias=op["w1_bias"], w2_bias=op["w2_bias"])
+    if cls is OAITritonMxfp4ExpertsMonolithic:
+        logits = torch.randn(M, E, device="cuda")
+        want = torch.ops.moe_ext.fused_moe(x, q1, q2, logits, topk, True, "swigluoai", **kwargs)
+        assert torch.equal(experts.apply(x, logits, topk, True), want)
+        return
+    weights, ids, _ = make_routing(M, topk, E, seed=47, device="cuda")
+    if cls is OAITritonExperts:
+        want = torch.ops.moe_ext.fused_experts(x, q1, q2, weights, ids, "swigluoai", **kwargs)
+        assert torch.equal(experts.apply(x, weights, ids), want)
+    else:
+        got = experts.apply(x, weights, ids)
+        check_close(got, op, x, weights, ids, "swigluoai", "mxfp4", tol=TOL[torch.bfloat16])
 
 
 @pytest.mark.cuda

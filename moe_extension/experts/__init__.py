@@ -12,7 +12,8 @@ in ``moe_extension.experts.base``), hands transposed views to the ops, answers w
 ``supports_chunking``), its ``workspace_shapes(M, N, K, topk, E)`` and ``moe_problem_size(...)``.
 """
 
-from moe_extension.experts.base import ExpertsBase, moe_problem_size, prepare_mxfp4_layout  # noqa: F401
+from moe_extension.experts.base import (  # noqa: F401
+    ExpertsBase, moe_problem_size, prepare_held_mxfp4_mma, prepare_mxfp4_layout)
 from moe_extension.experts.modular import OAITritonExperts  # noqa: F401
 from moe_extension.experts.monolithic import OAITritonMxfp4ExpertsMonolithic  # noqa: F401
 from moe_extension.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts  # noqa: F401

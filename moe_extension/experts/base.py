@@ -21,7 +21,11 @@ copies. Quantized data and scales are transposed alike, so packing stays along t
 MXFP4 weights are prepared once, at construction: a stack whose packed ``in`` axis is not the contiguous one
 (``[E, in/2, out]`` storage, the layout vLLM's gpt-oss path keeps) is copied into ``in``-contiguous storage
 (``prepare_mxfp4_layout``), held as the same ``[E, in/2, out]`` view of it; the ops then read each weight
-row's bytes contiguously. Stacks that already have that storage are held as given.
+row's bytes contiguously. Stacks that already have that storage are held as given. On CUDA, with the backend
+"auto" or "triton", stacks that the tensor-core layout takes (``prepare_held_mxfp4_mma``: K and N multiples of
+64, finite scales up to 2^21) are held in that layout instead (``op_quant == "mxfp4_mma"``, same shapes, the
+bytes reordered; the checkpoint tensors are not kept): the ops' kernels for it are the faster ones at every
+batch size of gpt-oss (benchmarks/results/README.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import math
 import torch
 
 from moe_extension.ops import ACTIVATIONS
+from moe_extension.quant.mxfp4 import E8M0_NAN
+from moe_extension.quant.mxfp4_mma import MMA_COLS, MMA_MAX_SCALE, prepare_mxfp4_mma
 
 BACKENDS = ("auto", "torch", "triton", "triton_kernels")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,6 +121,24 @@ def prepare_mxfp4_layout(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def prepare_held_mxfp4_mma(
+    w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor, w2_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Held MXFP4 stacks (``[E, in/2, out]`` codes, ``[E, in/32, out]`` scales) in the tensor-core layout
+    (``prepare_mxfp4_mma`` of the ops' ``[E, out, in]`` weights), returned as the same ``[E, in, out]`` views;
+    None when the layout does not take them (K or N not a multiple of 64, a finite scale above 2^21)."""
+    two_n, k = w1.size(2), w2.size(2)
+    if two_n % (2 * MMA_COLS) or k % MMA_COLS:
+        return None
+    if any(bool(((s > MMA_MAX_SCALE) & (s != E8M0_NAN)).any()) for s in (w1_scale, w2_scale)):
+        return None
+    out = []
+    for q, s in ((w1, w1_scale), (w2, w2_scale)):
+        q, s = prepare_mxfp4_mma(q.transpose(1, 2), s.transpose(1, 2))
+        out += [q.transpose(1, 2), s.transpose(1, 2)]
+    return out[0], out[2], out[1], out[3]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -160,8 +184,14 @@ class ExpertsBase:
         E, N, K = _check_weights(name, quant, w1, w2, w1_scale, w2_scale)
         _check_bias(name, "w1_bias", w1_bias, (E, 2 * N), w1.device)
         _check_bias(name, "w2_bias", w2_bias, (E, K), w1.device)
+        self.op_quant = quant  # the quant value the ops are called with
         if quant == "mxfp4":
             w1, w2, w1_scale, w2_scale = (prepare_mxfp4_layout(t) for t in (w1, w2, w1_scale, w2_scale))
+            if w1.is_cuda and backend in ("auto", "triton"):
+                held = prepare_held_mxfp4_mma(w1, w2, w1_scale, w2_scale)
+                if held is not None:
+                    w1, w2, w1_scale, w2_scale = held
+                    self.op_quant = "mxfp4_mma"
         self.w1, self.w2 = w1, w2
         self.w1_bias, self.w2_bias = w1_bias, w2_bias
         self.w1_scale, self.w2_scale = w1_scale, w2_scale
@@ -279,7 +309,7 @@ class ExpertsBase:
             "w2_bias": self.w2_bias,
             "expert_map": expert_map,
             "apply_router_weight_on_input": bool(apply_router_weight_on_input),
-            "quant": self.quant,
+            "quant": self.op_quant,
             "w1_scale": weights["w1_scale"],
             "w2_scale": weights["w2_scale"],
             "alpha": self.alpha,

@@ -126,15 +126,16 @@ class UnfusedOAITritonExperts(ExpertsBase):
         input_weights: torch.Tensor | None,
     ) -> torch.Tensor:
         """``h [M, topk, 2N] = W1[e] (g x) + b1[e]``, g = ``input_weights`` when given; invalid slots 0."""
+        weights = self.op_weights()
         return torch.ops.moe_ext.expert_gemm1(
             hidden_states,
-            self.w1.transpose(1, 2),
+            weights["w1"],
             topk_ids,
             w1_bias=self.w1_bias,
             expert_map=expert_map,
             topk_weights=input_weights,
-            quant=self.quant,
-            w1_scale=None if self.w1_scale is None else self.w1_scale.transpose(1, 2),
+            quant=self.op_quant,
+            w1_scale=weights["w1_scale"],
         )
 
     def add_lora_w13(
@@ -163,15 +164,16 @@ class UnfusedOAITritonExperts(ExpertsBase):
         output_weights: torch.Tensor | None,
     ) -> torch.Tensor:
         """``y [M, topk, K] = g (W2[e] a + b2[e])``, g = ``output_weights`` when given; invalid slots 0."""
+        weights = self.op_weights()
         return torch.ops.moe_ext.expert_gemm2(
             a,
-            self.w2.transpose(1, 2),
+            weights["w2"],
             topk_ids,
             w2_bias=self.w2_bias,
             expert_map=expert_map,
             topk_weights=output_weights,
-            quant=self.quant,
-            w2_scale=None if self.w2_scale is None else self.w2_scale.transpose(1, 2),
+            quant=self.op_quant,
+            w2_scale=weights["w2_scale"],
         )
 
     def add_lora_w2(
