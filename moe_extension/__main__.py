@@ -26,6 +26,7 @@ import torch
 import moe_extension
 from moe_extension import _roofline, ops
 from moe_extension.quant import dequantize_mxfp4, quantize_fp8_block, quantize_mxfp4
+from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
 
 # (experts, topk, hidden K, intermediate N, activation, biases)
 MODELS = {
@@ -71,9 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, help="intermediate size N per expert (overrides the model's)")
     p.add_argument("--activation", choices=list(ops.ACTIVATIONS), help="gated activation (default: the model's)")
     p.add_argument("--tokens", default="1,16,64", help="comma-separated token counts M to run (default 1,16,64)")
-    p.add_argument("--quant", choices=["none", "fp8_block", "mxfp4"], default="none",
+    p.add_argument("--quant", choices=["none", "fp8_block", "mxfp4", "mxfp4_mma"], default="none",
                    help="weight format: none (weights in --dtype), fp8_block (e4m3fn, 128x128 block scales), "
-                   "mxfp4 (e2m1 + E8M0 per 32; needs --dtype bf16). Default none.")
+                   "mxfp4 (e2m1 + E8M0 per 32; needs --dtype bf16), mxfp4_mma (the same weights prepared for the "
+                   "tensor cores with prepare_mxfp4_mma; hidden and intermediate sizes multiples of 64). Default none.")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activation dtype (default bf16)")
     p.add_argument("--device", help="cpu or cuda (default cuda when available)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd path")
@@ -92,8 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{key} must be >= 1, got {value}")
     if args.model == "custom" and None in explicit.values():
         p.error("--model custom needs --experts, --topk, --hidden and --intermediate")
-    if args.quant == "mxfp4" and args.dtype != "bf16":
-        p.error("--quant mxfp4 runs with bf16 activations: use --dtype bf16")
+    if args.quant.startswith("mxfp4") and args.dtype != "bf16":
+        p.error(f"--quant {args.quant} runs with bf16 activations: use --dtype bf16")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is available")
@@ -109,8 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sizes[key] = value
     if sizes["topk"] > sizes["experts"]:
         p.error(f"topk ({sizes['topk']}) must be <= the number of experts ({sizes['experts']})")
-    if args.quant == "mxfp4" and (sizes["hidden"] % 32 or sizes["intermediate"] % 32):
-        p.error("--quant mxfp4 needs hidden and intermediate sizes divisible by 32")
+    group = {"mxfp4": 32, "mxfp4_mma": 64}.get(args.quant)
+    if group and (sizes["hidden"] % group or sizes["intermediate"] % group):
+        p.error(f"--quant {args.quant} needs hidden and intermediate sizes divisible by {group}")
     args.sizes = sizes
     args.activation = args.activation or base[4]
     args.bias = base[5]
@@ -193,6 +196,9 @@ def make_layer(args: argparse.Namespace) -> dict:
         (q1, s1), (q2, s2) = quantize_mxfp4(w1), quantize_mxfp4(w2)
         layer.update(w1=q1, w2=q2, w1_scale=s1, w2_scale=s2, ref_quant="none")
         layer.update(ref_w1=dequantize_mxfp4(q1, s1), ref_w2=dequantize_mxfp4(q2, s2))
+        if args.quant == "mxfp4_mma":
+            (q1, s1), (q2, s2) = prepare_mxfp4_mma(q1, s1), prepare_mxfp4_mma(q2, s2)
+            layer.update(w1=q1, w2=q2, w1_scale=s1, w2_scale=s2)
     del w1, w2
     layer["weight_bytes"] = sum(
         t.numel() * t.element_size()

@@ -45,10 +45,12 @@ def test_main_runs_and_prints_the_table():
     assert "all checks passed" in out
 
 
-def test_main_quantized_without_compile():
-    proc = run_main(*TINY, "--quant", "mxfp4", "--no-compile", "--activation", "swigluoai")
+@pytest.mark.parametrize("quant", ["mxfp4", "mxfp4_mma"])
+def test_main_quantized_without_compile(quant):
+    tiny = [*TINY[:TINY.index("--intermediate") + 1], "64", *TINY[TINY.index("--intermediate") + 2:]]
+    proc = run_main(*tiny, "--quant", quant, "--no-compile", "--activation", "swigluoai")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "quant=mxfp4" in proc.stdout and "compiled" not in proc.stdout
+    assert f"quant={quant} " in proc.stdout and "compiled" not in proc.stdout
     assert len([line for line in proc.stdout.splitlines() if line.startswith("fused_moe eager")]) == 2
 
 
@@ -66,6 +68,8 @@ def test_main_help():
     (["--tokens", "1,x"], "--tokens must be comma-separated integers"),
     (["--tokens", "0"], "each >= 1"),
     (["--quant", "mxfp4", "--dtype", "fp16"], "--quant mxfp4 runs with bf16 activations"),
+    (["--quant", "mxfp4_mma", "--model", "custom", "--experts", "4", "--topk", "2", "--hidden", "64",
+      "--intermediate", "96"], "--quant mxfp4_mma needs hidden and intermediate sizes divisible by 64"),
     (["--experts", "2", "--topk", "3"], r"topk \(3\) must be <= the number of experts \(2\)"),
     (["--model", "llama"], "invalid choice: 'llama'"),
 ])
