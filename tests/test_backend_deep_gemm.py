@@ -44,7 +44,7 @@ from moe_extension.experts import TritonOrDeepGemmExperts
 from moe_extension.experts.triton_or_deep_gemm import prepare_deep_gemm_layout
 from moe_extension.ops import fused_experts_torch
 from moe_extension.ops.fused_experts import cuda_route
-from moe_extension.quant import dequantize_fp8_block, quantize_fp8_block
+from moe_extension.quant import dequantize_fp8_block, e8m0_to_float, quantize_fp8_block, ue8m0_scales
 from tests.reference import random_expert_map, random_experts, random_routing
 from tests.utils import assert_graph_replays_match_eager, rel_err
 
@@ -130,11 +130,13 @@ def test_all_slots_invalid():
 # ------------------------------------------------------------------------------------------------ the route on CPU
 
 
-def route_reference(x, w, g, ids, activation, expert_map=None, on_input=False, bias=True, alpha=1.702, limit=7.0):
+def route_reference(x, w, g, ids, activation, expert_map=None, on_input=False, bias=True, alpha=1.702, limit=7.0,
+                    ue8m0=False):
     """The route's arithmetic (docs of moe_extension/backends/deep_gemm.py) in plain PyTorch, one expert at a
     time: the input (g x on the input) quantized per 128 columns; h = x_q W1^T rounded to bf16 (DeepGEMM's
     output); with b1 the activation of h + b1 in fp32, else of h rounded to bf16; quantized; y = a_q W2^T rounded
-    to bf16; + b2; times g unless on the input; invalid slots 0; summed over the slots in fp32."""
+    to bf16; + b2; times g unless on the input; invalid slots 0; summed over the slots in fp32. ``ue8m0``: the
+    activations quantized with power-of-two scales."""
     from moe_extension.ops.activations import activation_torch
     from moe_extension.quant import fake_quantize_fp8_per_token_group as fake_quantize
 
@@ -147,12 +149,12 @@ def route_reference(x, w, g, ids, activation, expert_map=None, on_input=False, b
         if t.numel() == 0:
             continue
         xe = x[t].float() * (g[t, j, None] if on_input else 1.0)
-        h = (fake_quantize(xe) @ dequantize_fp8_block(w["w1"][e], w["w1_scale"][e]).T).bfloat16().float()
+        h = (fake_quantize(xe, ue8m0=ue8m0) @ dequantize_fp8_block(w["w1"][e], w["w1_scale"][e]).T).bfloat16().float()
         if bias and w["w1_bias"] is not None:
             a = activation_torch(h + w["w1_bias"][e], activation, alpha, limit)
         else:
             a = activation_torch(h, activation, alpha, limit).bfloat16().float()
-        y = (fake_quantize(a) @ dequantize_fp8_block(w["w2"][e], w["w2_scale"][e]).T).bfloat16().float()
+        y = (fake_quantize(a, ue8m0=ue8m0) @ dequantize_fp8_block(w["w2"][e], w["w2_scale"][e]).T).bfloat16().float()
         if bias and w["w2_bias"] is not None:
             y = y + w["w2_bias"][e]
         out[t, j] = y if on_input else y * g[t, j, None]
@@ -211,6 +213,29 @@ def test_route_with_emulated_gemm(monkeypatch, case):
         assert call.b is w[b] and call.b_scale is w[s], "the GEMMs get the weights as given (no copies)"
         assert call.a.shape[0] == R and call.m_indices.numel() == R
     assert calls[0].a_scale.stride() == (1, R), "the first GEMM's activation scales MN-major"
+
+
+def test_route_with_ue8m0_scales(monkeypatch):
+    """UE8M0 byte scales: the route quantizes the activations with power-of-two scales and hands DeepGEMM the bytes'
+    fp32 values; it agrees with its own arithmetic and with the PyTorch implementation of the op."""
+    E, N, K, topk, M = 6, 128, 256, 3, 20
+    torch.manual_seed(3)
+    w = random_experts(E, K, N, "fp8_block", bias=True)
+    w["w1_scale"], w["w2_scale"] = ue8m0_scales(w["w1_scale"]), ue8m0_scales(w["w2_scale"])
+    g, ids = random_routing(M, E, topk)
+    x = torch.randn(M, K).bfloat16()
+    calls = []
+    monkeypatch.setattr(deep_gemm, "m_grouped_fp8_gemm", emulated_gemm(calls))
+    monkeypatch.setattr(deep_gemm, "alignment", lambda: 16)
+    kw = dict(w1_bias=w["w1_bias"], w2_bias=w["w2_bias"], w1_scale=w["w1_scale"], w2_scale=w["w2_scale"])
+    out = deep_gemm.fused_experts_deep_gemm(x, w["w1"], w["w2"], g, ids, "silu", **kw)
+    assert rel_err(out, route_reference(x, w, g, ids, "silu", ue8m0=True)) <= TOL
+    assert rel_err(out, fused_experts_torch(x, w["w1"], w["w2"], g, ids, "silu", quant="fp8_block", **kw)) <= CROSS_TOL
+    assert torch.equal(calls[1].b_scale, e8m0_to_float(w["w2_scale"]))
+    dest, _, _, valid = contiguous_layout(ids, None, E, 16)
+    for call in calls:
+        used = call.a_scale[dest[valid]]  # the slots' rows (a segment's padding rows hold anything)
+        assert (used.view(torch.int32) & 0x7FFFFF == 0).all(), "power-of-two activation scales"
 
 
 def test_route_without_tokens(monkeypatch):
@@ -531,6 +556,21 @@ def test_route_matches_pytorch_and_triton(c):
     torch_out = op_call(w, x, g, ids, backend="torch", **kw)
     assert rel_err(out, torch_out) <= CROSS_TOL, "DeepGEMM route vs the PyTorch implementation"
     assert rel_err(out, op_call(w, x, g, ids, backend="triton", **kw)) <= CROSS_TOL, "vs our Triton kernels"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [5, 600])
+def test_route_with_ue8m0_scales_on_gpu(M):
+    """UE8M0 byte scales through DeepGEMM: within TOL of the route's arithmetic with power-of-two activation
+    scales, within CROSS_TOL of our Triton kernels on the same bytes."""
+    _needs_deep_gemm()
+    w = dict(gpu_weights(2048, 1408, 16))
+    w["w1_scale"], w["w2_scale"] = ue8m0_scales(w["w1_scale"]), ue8m0_scales(w["w2_scale"])
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    x, g, ids = gpu_inputs(M, 2048, 16, 6, True, gen)
+    out = op_call(w, x, g, ids, backend="deep_gemm")
+    assert rel_err(out, route_reference(x, w, g, ids, "silu", ue8m0=True)) <= TOL
+    assert rel_err(out, op_call(w, x, g, ids, backend="triton")) <= CROSS_TOL
 
 
 @pytest.fixture

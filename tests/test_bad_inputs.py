@@ -75,7 +75,12 @@ CASES = {
     "fp8_w1_dtype": Case("fused_experts", "fp8_block", {"w1": lambda a: a["w1"].float()}, TypeError,
                          "fused_experts: w1 must have dtype float8_e4m3fn, got torch.float32"),
     "fp8_scale_dtype": Case("fused_experts", "fp8_block", {"w2_scale": lambda a: a["w2_scale"].bfloat16()},
-                            TypeError, "fused_experts: w2_scale must have dtype float32, got torch.bfloat16"),
+                            TypeError, "fused_experts: w2_scale must have dtype float32 or uint8, got torch.bfloat16"),
+    "fp8_scale_formats_mixed": Case("fused_experts", "fp8_block",
+                                    {"w2_scale": lambda a: torch.full_like(a["w2_scale"], 127, dtype=torch.uint8)},
+                                    ValueError, "fused_experts: w1_scale and w2_scale must both be fp32 or both "
+                                    "uint8 UE8M0 (the scale format also sets how the activations are quantized), "
+                                    "got torch.float32 and torch.uint8"),
     "mxfp4_w2_dtype": Case("fused_experts", "mxfp4", {"w2": lambda a: a["w2"].to(torch.int8)}, TypeError,
                            "fused_experts: w2 must have dtype uint8, got torch.int8"),
     "mxfp4_scale_dtype": Case("fused_experts", "mxfp4", {"w1_scale": lambda a: a["w1_scale"].float()}, TypeError,

@@ -27,6 +27,7 @@ import torch
 
 from moe_extension.ops import fused_experts_torch, topk_softmax
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
+from moe_extension.quant import ue8m0_scales
 from tests.reference import random_expert_map
 from tests.test_fused_experts_cuda import _routing
 from tests.test_fused_experts_mxfp4_cuda import ACT_OPS, _local
@@ -195,6 +196,43 @@ def test_unfused_matches_torch_and_fused(M, topk, E, K, N, act, on_input, emap):
     assert err <= UNFUSED_TOL, f"fused against unfused: rel_err {err:.3e} > {UNFUSED_TOL}"
     invalid = _local(ids, expert_map, E) < 0
     assert invalid.any() and (h[invalid] == 0).all() and (y[invalid] == 0).all(), "invalid slots: rows of 0"
+
+
+# ------------------------------------------------------------------------------------------------- UE8M0
+
+
+@cuda
+@pytest.mark.parametrize("M,topk,E,K,N,act,on_input,transposed", [
+    (1, 8, 64, 2048, 1408, "silu", False, False),
+    (300, 6, 64, 2048, 1408, "swigluoai", True, True),
+    (4096, 8, 16, 7168, 2048, "silu", False, False),
+    (77, 2, 8, 1000, 333, "gelu", False, True),
+])
+def test_ue8m0_scales(M, topk, E, K, N, act, on_input, transposed):
+    """UE8M0 byte scales (the weights' scales rounded up to powers of two, uint8): fused_experts and the unfused
+    GEMMs within 1e-2 of the PyTorch implementation (which quantizes the activations with power-of-two scales
+    too), and CUDA-graph replays bitwise equal to eager."""
+    gen = torch.Generator(device="cuda").manual_seed(M + K)
+    w1, s1, w2, s2, b1, b2 = _experts(E, K, N, gen, bias=True, transposed=transposed)
+    s1, s2 = ue8m0_scales(s1), ue8m0_scales(s2)  # the same codes, scales up to 2x: still within e4m3's range
+    g, ids = _routing(M, E + 2, topk, True, gen)
+    emap = random_expert_map(E + 2, E, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, apply_router_weight_on_input=on_input)
+    out = _fused(x, w1, s1, w2, s2, g, ids, act, **kw)
+    ref = fused_experts_torch(x.float(), w1, w2, g, ids, act, quant="fp8_block", w1_scale=s1, w2_scale=s2, **kw)
+    assert out.isfinite().all() and rel_err(out, ref) <= TOL
+    kw1 = dict(w1_bias=b1, expert_map=emap, topk_weights=g if on_input else None, quant="fp8_block", w1_scale=s1)
+    h = torch.ops.moe_ext.expert_gemm1(x, w1, ids, **kw1)
+    assert rel_err(h, expert_gemm1_torch(x, w1, ids, **kw1)) <= TOL
+    a = ACT_OPS[act](h)
+    kw2 = dict(w2_bias=b2, expert_map=emap, topk_weights=None if on_input else g, quant="fp8_block", w2_scale=s2)
+    assert rel_err(torch.ops.moe_ext.expert_gemm2(a, w2, ids, **kw2), expert_gemm2_torch(a, w2, ids, **kw2)) <= TOL
+    if M <= 300:
+        call = entry_point_call("fused_experts", "fp8_block", act, topk, (w1, s1, w2, s2, b1, b2), emap,
+                                backend="triton")
+        fresh = lambda: entry_point_inputs("fused_experts", M, E, topk, K, N, _routing, gen)  # noqa: E731
+        assert_graph_replays_match_eager(call, fresh(), fresh, finite=True)
 
 
 # ------------------------------------------------------------------------------------------------- CUDA graphs

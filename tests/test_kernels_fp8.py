@@ -28,7 +28,7 @@ from moe_extension.kernels._configs import GemmConfig, MoeConfig
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.ops import fused_experts_torch
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
-from moe_extension.quant import quantize_fp8_block, quantize_fp8_per_token_group
+from moe_extension.quant import e8m0_to_float, quantize_fp8_block, quantize_fp8_per_token_group
 from tests.test_kernels_mxfp4 import local_ids, poisoned, routing, valid_slots  # noqa: F401  (fixture)
 from tests.utils import INTERPRETED, rel_err
 
@@ -69,6 +69,24 @@ def test_quantize_fp8_rows_equals_per_token_group_bitwise(dtype, K):
     assert torch.equal(q.float(), q_ref.float())
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_rows_ue8m0_equals_per_token_group_bitwise(dtype):
+    """UE8M0: the scales rounded up to powers of two (within a factor 2 above the plain ones; exact powers of two
+    stay), values and scales as ``quantize_fp8_per_token_group(ue8m0=True)`` bitwise."""
+    torch.manual_seed(1)
+    x = (torch.randn(6, 300) * torch.logspace(-20, 20, 6, base=2.0)[:, None]).to(dtype)
+    x[2, :128] = 0
+    x[4, 0] = 448.0 * 2.0**-3  # amax / 448 a power of two: kept
+    x[4, 1:128] = x[4, 1:128].clamp(-1.0, 1.0) * 448.0 * 2.0**-4
+    q, s = quantize_fp8_rows(x, ue8m0=True)
+    q_ref, s_ref = quantize_fp8_per_token_group(x, ue8m0=True)
+    assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+    plain = quantize_fp8_per_token_group(x)[1]
+    assert (s.view(torch.int32) & 0x7FFFFF == 0).all(), "powers of two"
+    assert (s >= plain).all() and (s < 2 * plain).all() and s[4, 0] == plain[4, 0] == 2.0**-3
+
+
 def test_quantize_fp8_rows_no_rows():
     q, s = quantize_fp8_rows(torch.empty(0, 300))
     assert q.shape == (0, 300) and s.shape == (0, 3)
@@ -77,17 +95,18 @@ def test_quantize_fp8_rows_no_rows():
 # ------------------------------------------------------------------------------------------------ experts
 
 
-def fp8_experts(E, K, N, *, bias=False, transposed=False, seed=0):
+def fp8_experts(E, K, N, *, bias=False, transposed=False, seed=0, ue8m0=False):
     """Quantized expert stacks (DESIGN's layout): w1 e4m3fn [E, 2N, K] + fp32 w1_scale [E, ceil(2N / 128),
     ceil(K / 128)], w2 [E, K, N] + w2_scale; per-block magnitudes spread over 2^-3 .. 2^3 so that every block
     has its own scale; with ``transposed`` weights and scales are .transpose(1, 2) views of [E, cols, rows]
-    storage; fp32 biases."""
+    storage; fp32 biases; ``ue8m0``: power-of-two scales as uint8 E8M0 bytes."""
     gen = torch.Generator().manual_seed(seed)
 
     def stack(rows, cols):
         w = torch.randn(E, rows, cols, generator=gen) / math.sqrt(cols)
         spread = 2.0 ** torch.randint(-3, 4, (E, math.ceil(rows / 128), math.ceil(cols / 128)), generator=gen)
-        return quantize_fp8_block(w * spread.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[..., :cols])
+        return quantize_fp8_block(w * spread.repeat_interleave(128, 1)[:, :rows].repeat_interleave(128, 2)[..., :cols],
+                                  ue8m0=ue8m0)
 
     w1, s1 = stack(2 * N, K)
     w2, s2 = stack(K, N)
@@ -170,6 +189,32 @@ def test_fused_experts_matches_torch(poisoned, case):  # noqa: F811  (the fixtur
     assert rel_err(out, ref) <= TOLS[dtype]
 
 
+UE8M0_CASES = [FUSED_CASES[i] for i in (0, 4, 6, 8)]
+
+
+@interpreted
+@pytest.mark.parametrize("case", UE8M0_CASES, ids=_fused_id)
+def test_fused_experts_ue8m0_matches_torch(case):
+    """UE8M0 byte scales (uint8 w1_scale / w2_scale): the kernels read the bytes as 2^(b - 127) and quantize the
+    activations with power-of-two scales, as the PyTorch implementation does; that rule is visible (the same
+    weights with the bytes' values as fp32 scales, so plain activation scales, give another output)."""
+    name, act, dtype, M, topk, E, K, N, opts = case
+    cfg = checked_config(name, dtype, N, K, topk)
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=opts.get("bias", False),
+                                         transposed=opts.get("transposed", False), seed=M * 31 + K + N, ue8m0=True)
+    assert s1.dtype == s2.dtype == torch.uint8
+    g, ids, emap = routing(M, topk, E, emap=opts.get("emap", False), seed=M + E)
+    x = torch.randn(M, K, dtype=dtype)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, apply_router_weight_on_input=opts.get("on_input", False))
+    out = fused_experts_triton(x, w1, w2, g, ids, act, quant="fp8_block", w1_scale=s1, w2_scale=s2, config=cfg,
+                               **kw)
+    ref = fused_experts_torch(x, w1, w2, g, ids, act, quant="fp8_block", w1_scale=s1, w2_scale=s2, **kw)
+    assert out.isfinite().all() and rel_err(out, ref) <= TOLS[dtype]
+    plain = fused_experts_torch(x, w1, w2, g, ids, act, quant="fp8_block", w1_scale=e8m0_to_float(s1),
+                                w2_scale=e8m0_to_float(s2), **kw)
+    assert rel_err(plain, ref) > 10 * TOLS[dtype], "power-of-two activation scales change the output"
+
+
 @interpreted
 @pytest.mark.parametrize("name", ["sorted_split", "direct"])
 def test_fused_experts_deterministic(name):
@@ -184,19 +229,22 @@ def test_fused_experts_deterministic(name):
 
 
 @interpreted
-@pytest.mark.parametrize("name,on_input,dtype,transposed", [
-    ("sorted", False, torch.float32, False),
-    ("sorted_tail", True, torch.float16, True),
-    ("direct", False, torch.float16, True),
-    ("direct", True, torch.float32, False),
+@pytest.mark.parametrize("name,on_input,dtype,transposed,ue8m0", [
+    ("sorted", False, torch.float32, False, False),
+    ("sorted_tail", True, torch.float16, True, False),
+    ("direct", False, torch.float16, True, False),
+    ("direct", True, torch.float32, False, False),
+    ("sorted", True, torch.float32, False, True),
+    ("direct", False, torch.float32, True, True),
 ])
-def test_expert_gemms_match_torch(name, on_input, dtype, transposed):
+def test_expert_gemms_match_torch(name, on_input, dtype, transposed, ue8m0):
     """The unfused GEMMs (gemm1 without activation: 2N output columns; gemm2 reads [M, topk, N] in slot order
-    and quantizes it as it loads it) against the PyTorch GEMMs on the same quantized weights."""
+    and quantizes it as it loads it) against the PyTorch GEMMs on the same quantized weights (``ue8m0``: byte
+    scales, power-of-two activation scales)."""
     E, K, N, topk = 5, 200, 160, 3
     M = 1 if name == "direct" else 20
     cfg = checked_config(name, dtype, N, K, topk)
-    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, transposed=transposed, seed=7)
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, transposed=transposed, seed=7, ue8m0=ue8m0)
     g, ids, emap = routing(M, topk, E, emap=True, seed=11)
     g = torch.nan_to_num(g)
     x = torch.randn(M, K, dtype=dtype)
@@ -252,9 +300,11 @@ def test_sanitize_fp8_fixes_tiles():
 
 
 @interpreted
-@pytest.mark.parametrize("name,act,K,N", [("sorted", "silu", 256, 256), ("sorted_tail", "swigluoai", 384, 128),
-                                          ("sorted_split", "gelu", 256, 384)])
-def test_tma_paths_equal_pointer_loads(monkeypatch, name, act, K, N):
+@pytest.mark.parametrize("name,act,K,N,ue8m0", [("sorted", "silu", 256, 256, False),
+                                                ("sorted_tail", "swigluoai", 384, 128, False),
+                                                ("sorted_split", "gelu", 256, 384, False),
+                                                ("sorted", "swigluoai", 256, 128, True)])
+def test_tma_paths_equal_pointer_loads(monkeypatch, name, act, K, N, ue8m0):
     """tma_weights=True loads the e4m3 weight tiles through TMA descriptors (``dot_tile``), tma_a=True gathers gemm1's
     token rows into sorted order quantized (``gather_rows_kernel`` with Q: per-sorted-row scales) and loads gemm2's
     quantized intermediate by TMA (sm_90+; in the interpreter, forced on): the outputs equal the pointer loads'
@@ -267,7 +317,7 @@ def test_tma_paths_equal_pointer_loads(monkeypatch, name, act, K, N):
     tma = dataclasses.replace(base, gemm1=dataclasses.replace(base.gemm1, tma_weights=True, tma_a=True),
                               gemm2=dataclasses.replace(base.gemm2, tma_weights=True, tma_a=True))
     assert configs.sanitize(tma, torch.float16, N, K, topk, quant="fp8_block") == tma
-    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=K + N)
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=K + N, ue8m0=ue8m0)
     g, ids, emap = routing(M, topk, E, emap=True, seed=9)
     x = torch.randn(M, K, dtype=torch.float16)
     assert fe._weight_desc(w1, 128, tma.gemm1) is not None and fe._weight_desc(w1, 128, base.gemm1) is None

@@ -16,6 +16,7 @@ from moe_extension.quant import (
     quantize_fp8_block,
     quantize_fp8_per_token_group,
     quantize_mxfp4,
+    ue8m0_scales,
     unpack_mxfp4,
 )
 
@@ -112,6 +113,41 @@ def test_fp8_per_token_group_zero_row_and_exact_values():
     q, s = quantize_fp8_per_token_group(x)
     assert torch.equal(dequantize_fp8_per_token_group(q, s), x)
     assert float(s[1, 0]) == 0.25 and float(s[0, 0]) == pytest.approx(1e-10 / 448.0)
+
+
+def test_ue8m0_scales():
+    """fp32 scales -> E8M0 bytes of 2^ceil(log2 s): powers of two exact, others rounded up, NaN -> 255."""
+    s = torch.tensor([1.0, 3.0, 0.25, 0.3, 2.0**-30, 1e-10 / 448.0, 2.0**40, float("nan")])
+    b = ue8m0_scales(s)
+    assert b.dtype == torch.uint8
+    assert b.tolist() == [127, 129, 125, 126, 97, 85, 167, 255]
+    assert torch.equal(e8m0_to_float(b)[:-1], torch.tensor([1.0, 4.0, 0.25, 0.5, 2.0**-30, 2.0**-42, 2.0**40]))
+
+
+def test_fp8_block_ue8m0():
+    """ue8m0=True: each block's scale is the plain one rounded up to a power of two (as a byte), q computed with it;
+    dequantize takes the bytes; the error stays within half an e4m3 step."""
+    w = torch.randn(2, 300, 200) * torch.logspace(-3, 2, 300)[:, None]
+    q, s = quantize_fp8_block(w, ue8m0=True)
+    _, plain = quantize_fp8_block(w)
+    assert s.dtype == torch.uint8 and s.shape == plain.shape
+    v = e8m0_to_float(s)
+    assert (v >= plain).all() and (v < 2 * plain).all()
+    deq = dequantize_fp8_block(q, s)
+    per_elem = v.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :300, :200]
+    assert (torch.clamp(w / per_elem, -448, 448).to(torch.float8_e4m3fn).float() * per_elem == deq).all()
+    assert ((deq - w).abs() <= w.abs() * 2**-4 + per_elem * 2**-10).all()
+
+
+def test_fp8_per_token_group_ue8m0():
+    x = torch.randn(4, 300) * 5
+    q, s = quantize_fp8_per_token_group(x, ue8m0=True)
+    _, plain = quantize_fp8_per_token_group(x)
+    assert s.dtype == torch.float32 and (s.view(torch.int32) & 0x7FFFFF == 0).all()
+    assert (s >= plain).all() and (s < 2 * plain).all()
+    want_q = torch.clamp(x / s.repeat_interleave(128, -1)[:, :300], -448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(fake_quantize_fp8_per_token_group(x, ue8m0=True), dequantize_fp8_per_token_group(q, s))
 
 
 # ------------------------------------------------------------------------------------------- mxfp4

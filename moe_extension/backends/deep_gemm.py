@@ -11,9 +11,9 @@ fp32/fp16/bf16, ``w1 [E, 2N, K]`` and ``w2 [E, K, N]`` float8_e4m3fn, ``w1_scale
 int32; ``out`` in ``hidden_states.dtype``, invalid slots contributing exactly 0.
 
 ``is_applicable(w1, w2, w1_scale, w2_scale)`` is its rule (``inapplicable_reasons`` names what fails): both
-weights float8_e4m3fn and contiguous in that layout (K-major, DeepGEMM's B operand), the scales fp32 and
-contiguous, N and K multiples of 128 and of DeepGEMM's alignment. Weights in another layout are not copied
-per call: the route does not apply to them (prepare them once, as ``TritonOrDeepGemmExperts`` does). Any M
+weights float8_e4m3fn and contiguous in that layout (K-major, DeepGEMM's B operand), the scales fp32 (or uint8
+UE8M0 bytes: then the activations get power-of-two scales too, as in the ops) and contiguous, N and K multiples
+of 128 and of DeepGEMM's alignment. Weights in another layout are not copied per call: the route does not apply to them (prepare them once, as ``TritonOrDeepGemmExperts`` does). Any M
 is valid: every expert's segment is padded to the alignment; whether the route pays at small M is what the
 crossover answers.
 
@@ -48,7 +48,7 @@ from types import SimpleNamespace
 import torch
 
 from moe_extension.backends import crossover
-from moe_extension.quant import FP8_BLOCK, quantize_fp8_per_token_group
+from moe_extension.quant import FP8_BLOCK, e8m0_to_float, quantize_fp8_per_token_group
 
 DEFAULT_ALIGNMENT = 128  # DeepGEMM's m alignment of the contiguous layout on sm_90
 NAME = "deep_gemm"  # the accelerator's name in ``backend=`` and in the crossover table
@@ -130,8 +130,8 @@ def inapplicable_reasons(w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Ten
             reasons.append(f"{arg} must be contiguous {layout} (DeepGEMM's K-major layout), got strides "
                            f"{tuple(t.stride())}: prepare the weights once, not per call")
     for arg, s in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
-        if s is not None and s.dtype != torch.float32:
-            reasons.append(f"{arg} must be float32, got {s.dtype}")
+        if s is not None and s.dtype not in (torch.float32, torch.uint8):
+            reasons.append(f"{arg} must be float32 or uint8 (UE8M0), got {s.dtype}")
     return reasons
 
 
@@ -256,12 +256,16 @@ def fused_experts_deep_gemm(hidden_states: torch.Tensor, w1: torch.Tensor, w2: t
         return hidden_states.new_zeros((0, K))
     dest, m_indices, local, valid = contiguous_layout(topk_ids, expert_map, E, alignment())
     R = m_indices.numel()
+    # UE8M0 byte scales: power-of-two activation scales, the weights' bytes as the fp32 values DeepGEMM takes.
+    ue8m0 = w1_scale.dtype == torch.uint8
+    if ue8m0:
+        w1_scale, w2_scale = e8m0_to_float(w1_scale), e8m0_to_float(w2_scale)
     if apply_router_weight_on_input:
         x_slots = (hidden_states.float().unsqueeze(1) * topk_weights.unsqueeze(2)).reshape(S, K)
-        a1q, a1s = _scatter_rows(*quantize_fp8_per_token_group(x_slots), dest, R)
+        a1q, a1s = _scatter_rows(*quantize_fp8_per_token_group(x_slots, ue8m0=ue8m0), dest, R)
     else:
         # x is quantized once per token; each of its slots gets a copy of the row.
-        q, s = quantize_fp8_per_token_group(hidden_states)
+        q, s = quantize_fp8_per_token_group(hidden_states, ue8m0=ue8m0)
         token = torch.arange(S, device=device) // topk
         a1q, a1s = _scatter_rows(q.index_select(0, token), s.index_select(0, token), dest, R)
     h = torch.empty((R, 2 * N), dtype=torch.bfloat16, device=device)
@@ -272,7 +276,7 @@ def fused_experts_deep_gemm(hidden_states: torch.Tensor, w1: torch.Tensor, w2: t
     from moe_extension.experts.base import gated_activation  # here: moe_extension.experts imports this module
 
     a = gated_activation(activation, h.new_empty((h.size(0), h.size(1) // 2)), h, alpha, limit)
-    a2q, a2s = quantize_fp8_per_token_group(a)
+    a2q, a2s = quantize_fp8_per_token_group(a, ue8m0=ue8m0)
     y_rows = torch.empty((R, K), dtype=torch.bfloat16, device=device)
     m_grouped_fp8_gemm(a2q, a2s, w2, w2_scale, y_rows, m_indices)
     y = y_rows.index_select(0, dest).float()

@@ -235,7 +235,8 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     n_ok = (offs_n < N_OUT)[None, :]
     if Q_OUT:
         # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax; padding rows quantize to 0.
-        result, q_s = quantize_fp8_groups(tl.where(row_ok[:, None] & n_ok, result, 0.0), PTX)
+        result, q_s = quantize_fp8_groups(tl.where(row_ok[:, None] & n_ok, result, 0.0), PTX,
+                                         ws_ptr.dtype.element_ty == tl.uint8)
         offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
         tl.store(os_ptr + rows.to(tl.int64)[:, None] * stride_osm + offs_g[None, :], q_s,
                  mask=(offs_g < tl.cdiv(N_OUT, 128))[None, :] & (row_ok[:, None] | ZERO_PAD))
@@ -470,12 +471,12 @@ def gemm2_sorted_kernel(
 @triton.jit(do_not_specialize=["P", "topk"])
 def gather_rows_kernel(x_ptr, out_ptr, os_ptr, sorted_ptr, block_expert_ptr, P, topk, K, stride_xm, stride_xk,
                        stride_om, stride_osm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                       Q: tl.constexpr, PTX: tl.constexpr):
+                       Q: tl.constexpr, PTX: tl.constexpr, UE8M0: tl.constexpr):
     """out[row, k] = x[sorted[row] // topk, k] for the valid rows of the used blocks and 0 for their padding
     rows, program (block, k tile): gemm1's A operand in sorted order, for TMA loads (unused blocks
     untouched; zero padding rows: see the NOTE in _gemm1_block). Q (fp8 block; BLOCK_K a multiple of 128): the
     rows are stored quantized (``quantize_fp8_groups``: e4m3 in ``out``, scales per row and 128-column group in
-    ``os_ptr``, row stride ``stride_osm``), the same values as quantizing x per token."""
+    ``os_ptr``, row stride ``stride_osm``; UE8M0: power-of-two scales), the same values as quantizing x per token."""
     grid_dependency(PDL)
     block = tl.program_id(0)
     if tl.load(block_expert_ptr + block) < 0:
@@ -489,7 +490,7 @@ def gather_rows_kernel(x_ptr, out_ptr, os_ptr, sorted_ptr, block_expert_ptr, P, 
     vals = tl.load(x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                    mask=row_ok[:, None] & k_ok, other=0.0)
     if Q:
-        vals, scales = quantize_fp8_groups(vals, PTX)
+        vals, scales = quantize_fp8_groups(vals, PTX, UE8M0)
         offs_g = tl.program_id(1) * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
         tl.store(os_ptr + rows.to(tl.int64)[:, None] * stride_osm + offs_g[None, :], scales,
                  mask=(offs_g < tl.cdiv(K, 128))[None, :])

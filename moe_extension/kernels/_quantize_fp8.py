@@ -19,19 +19,20 @@ from moe_extension.kernels._weight_formats import quantize_fp8_groups
 
 @triton.jit
 def quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_xk, stride_qm, stride_sm,
-                             BLOCK_K: tl.constexpr, PTX: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PTX: tl.constexpr, UE8M0: tl.constexpr):
     """Row ``program_id(0)``, columns ``program_id(1) * BLOCK_K ..`` (BLOCK_K a multiple of 128)."""
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + m * stride_xm + offs * stride_xk, mask=offs < K, other=0.0)
-    q, s = quantize_fp8_groups(x, PTX)
+    q, s = quantize_fp8_groups(x, PTX, UE8M0)
     tl.store(q_ptr + m * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
     groups = tl.program_id(1) * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
     tl.store(s_ptr + m * stride_sm + groups, s, mask=groups < tl.cdiv(K, 128))
 
 
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q [M, K] float8_e4m3fn, s [M, ceil(K / 128)] fp32)`` of ``x [M, K]`` (module docstring)."""
+def quantize_fp8_rows(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [M, K] float8_e4m3fn, s [M, ceil(K / 128)] fp32)`` of ``x [M, K]`` (module docstring; ``ue8m0``: the
+    scales rounded up to powers of two)."""
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M, triton.cdiv(K, 128)), dtype=torch.float32, device=x.device)
@@ -40,6 +41,6 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block_k = triton.next_power_of_2(min(1024, triton.cdiv(K, 128) * 128))  # up to 8 groups per program
     quantize_fp8_rows_kernel[(M, triton.cdiv(K, block_k))](
         x, q, s, K, x.stride(0), x.stride(1), q.stride(0), s.stride(0), BLOCK_K=block_k, PTX=x.device.type == "cuda",
-        num_warps=4,
+        UE8M0=ue8m0, num_warps=4,
     )
     return q, s

@@ -21,7 +21,9 @@ schedules; what differs between weight formats is only this plug, selected by th
   gemm1's epilogue wrote). A tensor-core step is one 128-column scale block (BLOCK_K = 128):
   ``acc += (a_q @ W_q^T) * a_s * w_s``, the fp8 dot on sm_89+, in fp16 below (e4m3 values and their products
   are exact in fp16 / fp32), in fp32 in the interpreter. GEMV steps (BLOCK_K a multiple of 128) multiply the
-  dequantized values in fp32.
+  dequantized values in fp32. UE8M0: with uint8 scale bytes (``fp8_weight_scales``: ``2^(b - 127)``) every
+  quantization of the activations rounds its scales up to powers of two; the kernels read that off the scale
+  pointer's dtype (kernels without one take it as the ``UE8M0`` constexpr; host code asks ``WeightOperand.ue8m0``).
 
 - ``WFMT_MXFP4_MMA`` (3): ``quant="mxfp4_mma"``, the same numbers in tensor-core fragment order
   (``moe_extension.quant.mxfp4_mma``: bands of 16 rows, chunks of 64 columns, contiguous stacks). A tile is
@@ -49,6 +51,7 @@ their products are the same in both, subnormal scales (byte 0: 2^-127) included.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.target_info import cuda_capability_geq
@@ -318,22 +321,45 @@ def _e4m3_rne(v):
 
 
 @triton.jit
-def quantize_fp8_groups(x, PTX: tl.constexpr):
+def _ue8m0_ceil(s, UE8M0: tl.constexpr):
+    """Positive normal fp32 scales, with UE8M0 rounded up to powers of two (exponent field + 1 where any mantissa
+    bit is set), else unchanged."""
+    if UE8M0:
+        bits = s.to(tl.int32, bitcast=True)
+        exp = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (exp << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def fp8_weight_scales(s):
+    """fp8 block weight scales as loaded -> fp32: fp32 unchanged; uint8 UE8M0 bytes ``2^(b - 127)`` (0: 2^-127;
+    255: NaN), as ``quant.e8m0_to_float``."""
+    if s.dtype == tl.uint8:
+        b = s.to(tl.int32)
+        v = (b << 23).to(tl.float32, bitcast=True)
+        v = tl.where(b == 0, 5.877471754111438e-39, v)
+        s = tl.where(b == 255, float("nan"), v)
+    return s
+
+
+@triton.jit
+def quantize_fp8_groups(x, PTX: tl.constexpr, UE8M0: tl.constexpr = False):
     """``x [C]`` or ``[R, C]`` (C a multiple of 128, any float dtype) -> ``(q, s)``: per row and 128-column
-    group ``s = max(amax|x|, 1e-10) / 448`` (fp32, ``[G]`` or ``[R, G]``, G = C / 128) and
-    ``q = e4m3fn(clamp(x / s, -448, 448))`` (``[C]`` / ``[R, C]``; float8e4nv with PTX, else its values in
-    fp32), divisions correctly rounded: the rule of ``moe_extension.quant.fp8_block``."""
+    group ``s = max(amax|x|, 1e-10) / 448`` (fp32, ``[G]`` or ``[R, G]``, G = C / 128; with UE8M0 rounded up to a
+    power of two) and ``q = e4m3fn(clamp(x / s, -448, 448))`` (``[C]`` / ``[R, C]``; float8e4nv with PTX, else its
+    values in fp32), divisions correctly rounded: the rule of ``moe_extension.quant.fp8_block``."""
     xf = x.to(tl.float32)
     if len(x.shape) == 2:
         R: tl.constexpr = x.shape[0]
         C: tl.constexpr = x.shape[1]
         xg = tl.reshape(xf, (R, C // 128, 128))
-        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=2), 1e-10), 448.0)
+        s = _ue8m0_ceil(tl.math.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=2), 1e-10), 448.0), UE8M0)
         v = tl.reshape(tl.clamp(tl.math.div_rn(xg, s[:, :, None]), -448.0, 448.0), (R, C))
     else:
         C1: tl.constexpr = x.shape[0]
         xg = tl.reshape(xf, (C1 // 128, 128))
-        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=1), 1e-10), 448.0)
+        s = _ue8m0_ceil(tl.math.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=1), 1e-10), 448.0), UE8M0)
         v = tl.reshape(tl.clamp(tl.math.div_rn(xg, s[:, None]), -448.0, 448.0), (C1,))
     if PTX:
         q = v.to(tl.float8e4nv)
@@ -474,9 +500,9 @@ def dot_tile(acc, a, a_scale, w, s_ptrs, WFMT: tl.constexpr, PTX: tl.constexpr, 
         if A_Q:
             aq, a_s = a, a_scale
         else:
-            aq, a_sg = quantize_fp8_groups(a, PTX)
+            aq, a_sg = quantize_fp8_groups(a, PTX, s_ptrs.dtype.element_ty == tl.uint8)
             a_s = tl.reshape(a_sg, (a.shape[0],))
-        acc += _fp8_dot(aq, w, PTX) * a_s[:, None] * tl.load(s_ptrs)[None, :]
+        acc += _fp8_dot(aq, w, PTX) * a_s[:, None] * fp8_weight_scales(tl.load(s_ptrs))[None, :]
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     return acc
@@ -546,9 +572,9 @@ def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
             if EVEN_K:
                 ws = tl.load(s_ptrs)
             else:
-                ws = tl.load(s_ptrs, mask=tl.arange(0, BLOCK_K // 128) * 128 < k_left, other=0.0)
-            w = _times_group_scales(w.to(tl.float32), ws)
-            xq, xs = quantize_fp8_groups(x, PTX)
+                ws = tl.load(s_ptrs, mask=tl.arange(0, BLOCK_K // 128) * 128 < k_left, other=0)
+            w = _times_group_scales(w.to(tl.float32), fp8_weight_scales(ws))
+            xq, xs = quantize_fp8_groups(x, PTX, s_ptrs.dtype.element_ty == tl.uint8)
             x = _times_group_scales(xq.to(tl.float32), xs)
         xf = x.to(tl.float32)
         if len(x.shape) == 2:
@@ -581,6 +607,12 @@ class WeightOperand:
     @property
     def dense(self) -> bool:
         return self.fmt == WFMT_DENSE
+
+    @property
+    def ue8m0(self) -> bool:
+        """fp8 block with UE8M0 byte scales: the activations it multiplies are quantized with power-of-two scales
+        (the kernels read that off the scale pointer's dtype; host code that quantizes asks here)."""
+        return self.fmt == WFMT_FP8_BLOCK and self.scale.dtype == torch.uint8
 
     @property
     def element_tiles(self) -> bool:

@@ -119,11 +119,12 @@ def gathers_rows(x: torch.Tensor, cfg: GemmConfig, quantize: bool = False) -> bo
             and x.shape[1] * (1 if quantize else 2) % 16 == 0)
 
 
-def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool = False, quantize: bool = False):
+def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool = False, quantize: bool = False,
+                         ue8m0: bool = False):
     """(a_desc, a_tail_desc, rows, rows_scale) of gemm1's A rows copied into sorted order (``rows``) by
     ``gather_rows_kernel`` when ``gathers_rows``; (None,) * 4 selects the gathered pointer loads. ``quantize`` (fp8
     block): the copy holds the rows quantized, e4m3 values and their scales ``rows_scale`` [rows, cdiv(K, 128)]
-    (else None)."""
+    (else None; ``ue8m0``: power-of-two scales)."""
     if not gathers_rows(x, cfg, quantize):
         return None, None, None, None
     K = x.shape[1]
@@ -140,7 +141,7 @@ def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool =
         kern.gather_rows_kernel[(routing.max_blocks, triton.cdiv(K, block_k))](
             x, rows, rows_scale if quantize else rows, routing.sorted_pairs, routing.block_expert,
             routing.inverse.numel(), topk, K, x.stride(0), x.stride(1), rows.stride(0), _stride(rows_scale, 0),
-            BLOCK_M=routing.block_m, BLOCK_K=block_k, Q=quantize, PTX=_ptx(x.device),
+            BLOCK_M=routing.block_m, BLOCK_K=block_k, Q=quantize, PTX=_ptx(x.device), UE8M0=ue8m0,
             **pdl_options(pdl, num_warps=8),
         )
     return descs + (rows, rows_scale)
@@ -171,7 +172,8 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     else:
         w_desc = _weight_desc(w1.w, cfg.block_n, cfg, halves=act != kern.ACT_NONE)
     a_desc, a_tail_desc, rows, rows_scale = (
-        _gathered_rows_descs(x, routing, topk, cfg, pdl, quantize=w1.fmt == WFMT_FP8_BLOCK and weights is None)
+        _gathered_rows_descs(x, routing, topk, cfg, pdl, quantize=w1.fmt == WFMT_FP8_BLOCK and weights is None,
+                             ue8m0=w1.ue8m0)
         if out_sorted and x_scale is None else (None,) * 4)
     if rows_scale is not None:
         x_scale = rows_scale
@@ -374,7 +376,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             return out
         x, x_scale, a_scale = hidden_states, None, None
         if fp8 and w_in is None and not gathers_rows(hidden_states, cfg.gemm1, quantize=True):
-            x, x_scale = quantize_fp8_rows(hidden_states)
+            x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0)
         routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
         a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=torch.float8_e4m3fn if fp8 else dtype,
                         device=dev)
@@ -433,7 +435,7 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
         else:
             x, x_scale = hidden_states, None
             if w1.fmt == WFMT_FP8_BLOCK and topk_weights is None:
-                x, x_scale = quantize_fp8_rows(hidden_states)
+                x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0)
             routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
             _gemm1_sorted(x, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights, 0.0, 0.0,
                           cfg.gemm1, pdl, x_scale=x_scale)

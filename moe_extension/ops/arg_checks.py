@@ -24,7 +24,7 @@ MXFP4_QUANTS = ("mxfp4", "mxfp4_mma")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = {"fp8_block": (torch.float8_e4m3fn,), "mxfp4": (torch.uint8,), "mxfp4_mma": (torch.uint8,)}
-SCALE_DTYPES = {"fp8_block": (torch.float32,), "mxfp4": (torch.uint8,), "mxfp4_mma": (torch.uint8,)}
+SCALE_DTYPES = {"fp8_block": (torch.float32, torch.uint8), "mxfp4": (torch.uint8,), "mxfp4_mma": (torch.uint8,)}
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:

@@ -96,11 +96,11 @@ def group_by_expert(
     return [(e, slots[starts[e] : starts[e + 1]]) for e in range(num_experts) if starts[e + 1] > starts[e]]
 
 
-def gemm_input(x: torch.Tensor, quant: str) -> torch.Tensor:
+def gemm_input(x: torch.Tensor, quant: str, ue8m0: bool = False) -> torch.Tensor:
     """fp32 rows ``[n, cols]`` -> the fp32 values the GEMM multiplies: fp8 quantize-dequantize per 128
-    columns (fp8_block), rounded to bf16 (mxfp4), unchanged (none)."""
+    columns (fp8_block; ``ue8m0``: power-of-two scales), rounded to bf16 (mxfp4), unchanged (none)."""
     if quant == "fp8_block":
-        return fake_quantize_fp8_per_token_group(x)
+        return fake_quantize_fp8_per_token_group(x, ue8m0=ue8m0)
     if quant in MXFP4_QUANTS:
         return x.to(torch.bfloat16).float()
     return x
@@ -113,6 +113,10 @@ class ExpertWeights:
     def __init__(self, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, quant: str):
         self.w, self.scale, self.bias, self.quant = w, scale, bias, quant
         self._workspace: torch.Tensor | None = None
+
+    def gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``gemm_input`` of this format (fp8 block with UE8M0 weight scales: power-of-two activation scales)."""
+        return gemm_input(x, self.quant, self.quant == "fp8_block" and self.scale.dtype == torch.uint8)
 
     def dense(self, e: int) -> torch.Tensor:
         """fp32 ``W[e]`` [rows, cols]; only this expert is dequantized."""
@@ -148,7 +152,7 @@ def expert_gemm1_torch(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=
         xe = x[slots // topk]
         if g is not None:
             xe = xe * g[slots, None]
-        out[slots] = weights.linear(e, gemm_input(xe, quant))
+        out[slots] = weights.linear(e, weights.gemm_input(xe))
     return out.view(m, topk, rows).to(hidden_states.dtype)
 
 
@@ -161,7 +165,7 @@ def expert_gemm2_torch(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=N
     a = intermediate.reshape(m * topk, intermediate.shape[2])
     g = None if topk_weights is None else topk_weights.reshape(-1)
     for e, slots in group_by_expert(topk_ids, expert_map, w2.shape[0]):
-        y = weights.linear(e, gemm_input(a[slots].float(), quant))
+        y = weights.linear(e, weights.gemm_input(a[slots].float()))
         out[slots] = y if g is None else y * g[slots, None]
     return out.view(m, topk, k).to(intermediate.dtype)
 

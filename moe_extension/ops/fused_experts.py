@@ -30,7 +30,7 @@ from moe_extension.backends import deep_gemm
 from moe_extension.ops.activations import ACTIVATIONS, activation_torch
 from moe_extension.ops.arg_checks import (FLOAT_DTYPES, MXFP4_QUANTS, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES,
                                           ArgChecker)
-from moe_extension.ops.expert_gemm import ExpertWeights, gemm_input, group_by_expert
+from moe_extension.ops.expert_gemm import ExpertWeights, group_by_expert
 
 BACKENDS = ("auto", "torch", "triton", "triton_kernels", "deep_gemm")
 
@@ -67,6 +67,12 @@ def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, exper
     c.weight("w2", w2, quant, hidden_states.dtype, "[E, K, N]", (e, k, n))
     c.scale("w1_scale", w1_scale, quant, (e, 2 * n, k), "w1")
     c.scale("w2_scale", w2_scale, quant, (e, k, n), "w2")
+    if quant == "fp8_block":
+        torch._check_value(
+            w1_scale.dtype == w2_scale.dtype,
+            lambda: f"{op}: w1_scale and w2_scale must both be fp32 or both uint8 UE8M0 (the scale format also sets "
+            f"how the activations are quantized), got {w1_scale.dtype} and {w2_scale.dtype}",
+        )
     c.bias("w1_bias", w1_bias, "[E, 2N]", (e, 2 * n))
     c.bias("w2_bias", w2_bias, "[E, K]", (e, k))
     c.expert_map(expert_map)
@@ -133,9 +139,9 @@ def _fused_experts_compute(hidden_states, w1, w2, topk_weights, topk_ids, activa
         xe = x[slots // topk]
         if apply_router_weight_on_input:
             xe = xe * g[slots, None]
-        h = gemm1.linear(e, gemm_input(xe, quant))
+        h = gemm1.linear(e, gemm1.gemm_input(xe))
         a = activation_torch(h, activation, alpha, limit)  # fp32, as h is
-        y = gemm2.linear(e, gemm_input(a, quant))
+        y = gemm2.linear(e, gemm2.gemm_input(a))
         out[slots] = y if apply_router_weight_on_input else y * g[slots, None]
     return out.view(m, topk, k).sum(dim=1).to(hidden_states.dtype)
 
