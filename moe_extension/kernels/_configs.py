@@ -193,6 +193,8 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
     # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
     block_m = 16 if rows <= 16 else 32 if rows <= 40 else 64 if rows <= 160 else 128
+    if quant == "mxfp4_mma" and rows >= 96:
+        block_m = 128  # the block's tokens are the MMA's N: a wider N amortizes the decode (mxfp4_mma_heuristic)
     big = block_m >= 128
     # NOTE: gemm1 tiles cover 2 * block_n weight rows (gate + up); block_k 64 keeps 4 stages in smem.
     # NOTE: an expert's last block is partial (half empty on average); in gemm1 a quarter-height tail tile
@@ -257,18 +259,22 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     NOTE: 128 weight rows on 4 warps per tile in both GEMMs (the fused gemm1's 64 columns of gate and up;
     gemm2's 128 output columns): the tuner's best at every M of gpt-oss-120b and -20b on the H100 but M = 1,
     where 256 rows on 8 warps won by 10% (120b: 50.0 against 55.4 us). The 256-row tiles on 8 warps this
-    rule replaced were 10-29% slower end to end (120b: M 16 308 against 269 us, M 4096 2902 against 2246;
-    ``python benchmarks/tune_fused_experts.py --quant mxfp4_mma``)."""
+    rule replaced were 10-29% slower end to end (120b: M 16 308 against 269 us; ``python
+    benchmarks/tune_fused_experts.py --quant mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with
+    tail tiles (gemm1 32, gemm2 16 rows) and pointer loads of gemm2's rows: the tuner's choice at 128 and 512
+    rows (120b M 4096: 2246 us against 2902 for blocks of 64; 20b M 1024: 594 against 768; gemm2 with TMA
+    rows 887 against 698 us at 20b M 4096)."""
     bn1, bn2 = 64, 128
     # Few row blocks (decode): gemm2 splits its reduction until there are two tiles per SM.
     split = 1
     while blocks * math.ceil(K / bn2) * split < 2 * num_sms and split < 8 and N >= 2 * split * 128:
         split *= 2
     stages = 3 if block_m >= 64 else 4
+    wide = block_m >= 128
     g1 = dataclasses.replace(g1, block_n=bn1, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
-                             tma_a=False, group_m=0)
+                             tma_a=False, group_m=0, tail_m=32 if wide else g1.tail_m)
     g2 = dataclasses.replace(g2, block_n=bn2, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
-                             split_k=split)
+                             split_k=split, tail_m=16 if wide else g2.tail_m, tma_a=g2.tma_a and not wide)
     return g1, g2
 
 
