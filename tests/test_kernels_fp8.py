@@ -21,11 +21,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import moe_extension.kernels._configs as configs
 from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
 from moe_extension.kernels._configs import GemmConfig, MoeConfig
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
+from moe_extension.kernels._weight_formats import fp8_weight_scales
 from moe_extension.ops import fused_experts_torch
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
 from moe_extension.quant import e8m0_to_float, quantize_fp8_block, quantize_fp8_per_token_group
@@ -85,6 +88,24 @@ def test_quantize_fp8_rows_ue8m0_equals_per_token_group_bitwise(dtype):
     plain = quantize_fp8_per_token_group(x)[1]
     assert (s.view(torch.int32) & 0x7FFFFF == 0).all(), "powers of two"
     assert (s >= plain).all() and (s < 2 * plain).all() and s[4, 0] == plain[4, 0] == 2.0**-3
+
+
+@interpreted
+def test_fp8_weight_scales_decode_every_byte():
+    """The kernels' UE8M0 decode (``fp8_weight_scales``) gives ``e8m0_to_float`` for all 256 bytes (0: 2^-127,
+    255: NaN) and leaves fp32 scales as they are."""
+    @triton.jit
+    def decode(s_ptr, out_ptr):
+        offs = tl.arange(0, 256)
+        tl.store(out_ptr + offs, fp8_weight_scales(tl.load(s_ptr + offs)))
+
+    b = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256)
+    decode[(1,)](b, out)
+    assert torch.equal(out[:255], e8m0_to_float(b)[:255]) and out[255].isnan() and out[0] == 2.0**-127
+    f = torch.rand(256) + 0.5
+    decode[(1,)](f, out)
+    assert torch.equal(out, f)
 
 
 def test_quantize_fp8_rows_no_rows():

@@ -35,8 +35,7 @@ import math
 import torch
 
 from moe_extension.ops import ACTIVATIONS
-from moe_extension.quant.mxfp4 import E8M0_NAN
-from moe_extension.quant.mxfp4_mma import MMA_COLS, MMA_MAX_SCALE, prepare_mxfp4_mma
+from moe_extension.quant.mxfp4_mma import MMA_COLS, prepare_mxfp4_mma, scales_beyond_mma_layout
 
 BACKENDS = ("auto", "torch", "triton", "triton_kernels")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -130,7 +129,7 @@ def prepare_held_mxfp4_mma(
     two_n, k = w1.size(2), w2.size(2)
     if two_n % (2 * MMA_COLS) or k % MMA_COLS:
         return None
-    if any(bool(((s > MMA_MAX_SCALE) & (s != E8M0_NAN)).any()) for s in (w1_scale, w2_scale)):
+    if any(bool(scales_beyond_mma_layout(s).any()) for s in (w1_scale, w2_scale)):
         return None
     out = []
     for q, s in ((w1, w1_scale), (w2, w2_scale)):

@@ -81,12 +81,17 @@ def check_mxfp4_mma_shape(q: torch.Tensor, s: torch.Tensor, what: str = "prepare
                          f"got {list(s.shape)}")
 
 
+def scales_beyond_mma_layout(scales: torch.Tensor) -> torch.Tensor:
+    """Where E8M0 ``scales`` are finite and above what the layout holds (bytes ``MMA_MAX_SCALE`` + 1 .. 254)."""
+    return (scales > MMA_MAX_SCALE) & (scales != E8M0_NAN)
+
+
 def prepare_mxfp4_mma(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint-layout MXFP4 (``packed [..., rows, cols/2]``, ``scales [..., rows, cols/32]``, any strides) ->
     ``(q, s)`` in the MMA layout, contiguous, same shapes and device. Once, at weight-load time: it builds
     the words per leading index (one expert's temporaries at a time)."""
     check_mxfp4_mma_shape(packed, scales)
-    big = (scales > MMA_MAX_SCALE) & (scales != E8M0_NAN)
+    big = scales_beyond_mma_layout(scales)
     if bool(big.any()):
         raise ValueError(f"prepare_mxfp4_mma: scales must be at most 2^{MMA_MAX_SCALE - 127} (E8M0 byte <= "
                          f"{MMA_MAX_SCALE}) or NaN (255), got byte {int(scales[big].max())} (use quant='mxfp4' for "
