@@ -9,6 +9,8 @@ over tokens and slots (no grouping, nothing shared with the implementation under
 - ``expert_gemm1_reference`` / ``expert_gemm2_reference`` (the expert_gemm1/2 keywords) -> fp64
   ``[M, topk, 2N]`` / ``[M, topk, K]``, invalid slots 0.
 - ``activation_reference(h, activation, alpha, limit)``: the five gated activations in fp64.
+- ``lora_reference(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, *, expert_map=None, topk_weights=None)``
+  -> fp64 ``[M, topk, n]``: ``out + g B[l, e] (A[l, e] x)`` on the active pairs, ``out`` elsewhere (add_lora).
 - Test helpers: ``random_experts`` / ``random_routing`` / ``random_expert_map`` (inputs in each storage
   format, invalid ids planted), ``tolerance``, ``assert_close``, ``opcheck_utils``.
 
@@ -293,6 +295,25 @@ def expert_gemm2_reference(intermediate, w2, topk_ids, *, w2_bias=None, expert_m
 
 
 # ---------------------------------------------------------------------------------------------- random inputs
+
+def lora_reference(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, *, expert_map=None, topk_weights=None):
+    """``moe_ext::add_lora`` in fp64 (moe_extension/ops/lora.py's docstring): a pair is active when its slot is
+    valid and its token's adapter is in [0, L); x is [M, K] (per token) or [M, topk, K] (per slot)."""
+    out, x, lora_a, lora_b, topk_ids, mapping, expert_map, topk_weights = _cpu(
+        out, x, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
+    L, E = lora_a.shape[:2]
+    emap = None if expert_map is None else expert_map.tolist()
+    ref = out.double().clone()
+    for t, (row, adapter) in enumerate(zip(topk_ids.tolist(), mapping.tolist())):
+        for j, i in enumerate(row):
+            e = _local_expert(i, emap, E)
+            if e is None or not 0 <= adapter < L:
+                continue
+            xin = (x[t] if x.dim() == 2 else x[t, j]).double()
+            delta = lora_b[adapter, e].double() @ (lora_a[adapter, e].double() @ xin)
+            ref[t, j] += delta * (1.0 if topk_weights is None else float(topk_weights[t, j]))
+    return ref
+
 
 INVALID_IDS = (-1, None, 2**31 - 1)  # None stands for E_global (one past the last expert)
 

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_extension.kernels._configs as kernel_configs
 from moe_extension.backends import crossover, deep_gemm
-from moe_extension.experts.unfused import slot_experts
+from moe_extension.ops.expert_gemm import slot_experts
 from moe_extension.backends.deep_gemm import contiguous_layout, permuted_rows
 from moe_extension.experts import TritonOrDeepGemmExperts
 from moe_extension.experts.triton_or_deep_gemm import prepare_deep_gemm_layout

@@ -512,9 +512,10 @@ def test_capabilities():
         assert cls.supports_expert_map() and cls.supports_chunking()
         assert set(cls.supported_activations()) == set(acts)
         assert all(cls.supports_activation(a) for a in acts) and not cls.supports_activation("relu")
-    for cls in (*MODULAR, OAITritonMxfp4ExpertsMonolithic):
+    for cls in (OAITritonExperts, OAITritonMxfp4ExpertsMonolithic):
         assert cls.supported_quant_schemes() == ("none", "mxfp4")
         assert not cls.supports_quant_scheme("fp8_block")
+    assert UnfusedOAITritonExperts.supported_quant_schemes() == ("none", "mxfp4", "fp8_block")
     assert TritonOrDeepGemmExperts.supported_quant_schemes() == ("fp8_block",)
     assert UnfusedOAITritonExperts.supports_lora()
     op = make_weights(2, 32, 64)

@@ -202,7 +202,7 @@ def contiguous_layout(
     of it), and per slot the local expert (clamped, int64) and validity, both ``[M*topk]``.
     ``R = permuted_rows(M*topk, num_experts, align)``.
     """
-    from moe_extension.experts.unfused import slot_experts  # here: moe_extension.experts imports this module
+    from moe_extension.ops.expert_gemm import slot_experts
 
     local, valid = slot_experts(topk_ids, expert_map, num_experts)
     local, valid = local.reshape(-1), valid.reshape(-1)

@@ -3,10 +3,10 @@
 ``apply(hidden_states [M, K], topk_weights fp32 [M, topk], topk_ids int [M, topk]) -> [M, K]`` runs
 
     h   = gemm1(x)                    torch.ops.moe_ext.expert_gemm1        h [M, topk, 2N]
-    h  += B13[l,e] (A13[l,e] x)       add_lora_w13   (tokens with an adapter l)
+    h  += B13[l,e] (A13[l,e] x)       add_lora_w13: torch.ops.moe_ext.add_lora, in place   (tokens with an adapter l)
     a   = act(h)                      apply_activation: the native *_and_mul op, into a buffer   a [M*topk, N]
     y   = g * gemm2(a)                torch.ops.moe_ext.expert_gemm2 (router weight g applied there)   y [M, topk, K]
-    y  += g * B2[l,e] (A2[l,e] a)     add_lora_w2    (tokens with an adapter l)
+    y  += g * B2[l,e] (A2[l,e] a)     add_lora_w2: torch.ops.moe_ext.add_lora, in place    (tokens with an adapter l)
     out = sum_j y[:, j]               moe_sum: torch.ops.moe_ext.moe_sum    out [M, K]
 
 in the dtype of ``hidden_states``. Subclasses override any step. LoRA adapters (``LoRAWeights``:
@@ -18,7 +18,9 @@ slots, get exactly the output of the same call without LoRA.
 The second LoRA term is scaled by the router weight like the base term: g * (W2 a + b2 + B2 A2 a) =
 g * gemm2(a) + g * (B2 A2 a), so the base GEMM keeps applying g itself and the slots without an adapter
 keep its result bit for bit. With ``apply_router_weight_on_input`` the first GEMM and the first LoRA
-term both see g * x. LoRA math runs in fp32 and is rounded once into h and once into y.
+term both see g * x. LoRA math runs in fp32 and is rounded once into h and once into y
+(``moe_extension.ops.lora``: on CUDA grouped Triton kernels, ``moe_extension.kernels.lora``). Under CUDA graphs,
+change adapters in place (``copy_`` into the attached tensors) and the mapping in its captured buffer: no recapture.
 """
 
 from __future__ import annotations
@@ -44,59 +46,11 @@ class LoRAWeights:
         return self.a13.size(0)
 
 
-@dataclass(frozen=True)
-class LoRASlots:
-    """Per (token, slot): the adapter and local expert to gather (clamped in range) and whether to add."""
-
-    adapter: torch.Tensor  # [M, topk] int64
-    expert: torch.Tensor  # [M, topk] int64
-    active: torch.Tensor  # [M, topk] bool
-
-
-def slot_experts(
-    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local expert of each slot (clamped into [0, E), int64) and whether the slot is valid (docs/ops.md, invalid ids).
-
-    Pure tensor code: no host sync, shapes from the inputs only.
-    """
-    ids = topk_ids.long()
-    if expert_map is None:
-        local = ids
-        valid = (ids >= 0) & (ids < num_experts)
-    else:
-        num_global = expert_map.size(0)
-        local = expert_map.long()[ids.clamp(0, max(num_global - 1, 0))]
-        valid = (ids >= 0) & (ids < num_global) & (local >= 0) & (local < num_experts)
-    return local.clamp(0, num_experts - 1), valid
-
-
-def _gather(stack: torch.Tensor, slots: LoRASlots) -> torch.Tensor:
-    # NOTE: gathers one [rows, cols] adapter matrix per (token, slot): M*topk*r*(in + out) elements.
-    # Fine for decode-sized batches; a grouped LoRA kernel (tokens sorted by adapter and expert) is
-    # the GPU answer for large prefill batches.
-    return stack[slots.adapter, slots.expert].float()
-
-
-def lora_delta(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: LoRASlots, per_token_input: bool
-) -> torch.Tensor:
-    """``B[l,e] (A[l,e] x)`` per (token, slot) in fp32: ``[M, topk, out]``.
-
-    ``x`` is ``[M, in]`` (one input per token, shared by its slots) when ``per_token_input``, else
-    ``[M, topk, in]``; ``a`` is ``[L, E, r, in]``, ``b`` is ``[L, E, out, r]``.
-    """
-    a_slots = _gather(a, slots)  # [M, topk, r, in]
-    if per_token_input:
-        u = torch.einsum("mjri,mi->mjr", a_slots, x.float())
-    else:
-        u = torch.einsum("mjri,mji->mjr", a_slots, x.float())
-    return torch.einsum("mjor,mjr->mjo", _gather(b, slots), u)
-
-
 class UnfusedOAITritonExperts(ExpertsBase):
     """Experts as separate steps (``gemm1``, ``add_lora_w13``, ``apply_activation``, ``gemm2``,
-    ``add_lora_w2``, ``moe_sum``), each overridable. Quant "none" or "mxfp4"; every activation."""
+    ``add_lora_w2``, ``moe_sum``), each overridable. Quant "none", "mxfp4" or "fp8_block"; every activation."""
+
+    _QUANT_SCHEMES = ("none", "mxfp4", "fp8_block")
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor, *, lora: LoRAWeights | None = None, **kwargs) -> None:
         super().__init__(w1, w2, **kwargs)
@@ -143,14 +97,14 @@ class UnfusedOAITritonExperts(ExpertsBase):
         h: torch.Tensor,
         hidden_states: torch.Tensor,
         input_weights: torch.Tensor | None,
-        slots: LoRASlots,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        token_lora_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """``h + B13[l,e] (A13[l,e] (g x))`` on the slots with an adapter; the others unchanged."""
-        lora = self.lora
-        delta = lora_delta(hidden_states, lora.a13, lora.b13, slots, per_token_input=True)
-        if input_weights is not None:
-            delta = delta * input_weights.float().unsqueeze(-1)
-        return torch.where(slots.active.unsqueeze(-1), (h.float() + delta).to(h.dtype), h)
+        """``h += B13[l,e] (A13[l,e] (g x))`` in place on the slots with an adapter; the others unchanged."""
+        torch.ops.moe_ext.add_lora(h, hidden_states, self.lora.a13, self.lora.b13, topk_ids, token_lora_mapping,
+                                   expert_map=expert_map, topk_weights=input_weights)
+        return h
 
     def apply_activation(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The native gated activation: ``out [S, N] = act(h [S, 2N])``; returns ``out``."""
@@ -181,14 +135,14 @@ class UnfusedOAITritonExperts(ExpertsBase):
         y: torch.Tensor,
         a: torch.Tensor,
         output_weights: torch.Tensor | None,
-        slots: LoRASlots,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None,
+        token_lora_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """``y + g B2[l,e] (A2[l,e] a)`` on the slots with an adapter (g = 1 without ``output_weights``)."""
-        lora = self.lora
-        delta = lora_delta(a, lora.a2, lora.b2, slots, per_token_input=False)
-        if output_weights is not None:
-            delta = delta * output_weights.float().unsqueeze(-1)
-        return torch.where(slots.active.unsqueeze(-1), (y.float() + delta).to(y.dtype), y)
+        """``y += g B2[l,e] (A2[l,e] a)`` in place on the slots with an adapter (g = 1 without ``output_weights``)."""
+        torch.ops.moe_ext.add_lora(y, a, self.lora.a2, self.lora.b2, topk_ids, token_lora_mapping,
+                                   expert_map=expert_map, topk_weights=output_weights)
+        return y
 
     def moe_sum(
         self,
@@ -202,16 +156,6 @@ class UnfusedOAITritonExperts(ExpertsBase):
         return output
 
     # -- the pipeline -------------------------------------------------------------------------------
-    def lora_slots(
-        self, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, token_lora_mapping: torch.Tensor
-    ) -> LoRASlots:
-        """Adapter, local expert and activity of every (token, slot) for ``token_lora_mapping [M]``."""
-        expert, valid = slot_experts(topk_ids, expert_map, self.num_experts)
-        num_adapters = self.lora.num_adapters
-        adapter = token_lora_mapping.long().unsqueeze(1).expand_as(expert)
-        active = valid & (adapter >= 0) & (adapter < num_adapters)
-        return LoRASlots(adapter.clamp(0, num_adapters - 1), expert, active)
-
     def _check_lora_mapping(self, token_lora_mapping: torch.Tensor, hidden_states: torch.Tensor) -> None:
         name, M = type(self).__name__, hidden_states.size(0)
         if self.lora is None:
@@ -250,17 +194,15 @@ class UnfusedOAITritonExperts(ExpertsBase):
         E, M, N, K, topk = self._check_call(
             hidden_states, topk_weights, self._routing_shape(topk_weights, topk_ids), expert_map
         )
-        slots = None
         if token_lora_mapping is not None:
             self._check_lora_mapping(token_lora_mapping, hidden_states)
-            slots = self.lora_slots(topk_ids, expert_map, token_lora_mapping)
         workspace = workspace or {}
         input_weights = topk_weights if apply_router_weight_on_input else None
         output_weights = None if apply_router_weight_on_input else topk_weights
 
         h = self.gemm1(hidden_states, topk_ids, expert_map, input_weights)
-        if slots is not None:
-            h = self.add_lora_w13(h, hidden_states, input_weights, slots)
+        if token_lora_mapping is not None:
+            h = self.add_lora_w13(h, hidden_states, input_weights, topk_ids, expert_map, token_lora_mapping)
         S = M * topk
         a_shape = (S, N)
         a = (
@@ -270,8 +212,8 @@ class UnfusedOAITritonExperts(ExpertsBase):
         )
         a = self.apply_activation(h.reshape(S, 2 * N), a).view(M, topk, N)
         y = self.gemm2(a, topk_ids, expert_map, output_weights)
-        if slots is not None:
-            y = self.add_lora_w2(y, a, output_weights, slots)
+        if token_lora_mapping is not None:
+            y = self.add_lora_w2(y, a, output_weights, topk_ids, expert_map, token_lora_mapping)
         if output is None:
             output = (
                 resize_workspace(workspace["output"], (M, K))

@@ -16,5 +16,6 @@ from moe_extension.ops.activations import (  # noqa: F401
 from moe_extension.ops.topk_softmax import topk_softmax, topk_softmax_torch  # noqa: F401
 from moe_extension.ops.grouped_topk import grouped_topk, grouped_topk_torch  # noqa: F401
 from moe_extension.ops.expert_gemm import expert_gemm1, expert_gemm2  # noqa: F401
+from moe_extension.ops.lora import add_lora, lora_expand, lora_shrink  # noqa: F401
 from moe_extension.ops.fused_experts import fused_experts, fused_experts_torch  # noqa: F401
 from moe_extension.ops.fused_moe import fused_moe  # noqa: F401

@@ -96,6 +96,24 @@ def group_by_expert(
     return [(e, slots[starts[e] : starts[e + 1]]) for e in range(num_experts) if starts[e + 1] > starts[e]]
 
 
+def slot_experts(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local expert of each slot (clamped into [0, E), int64) and whether the slot is valid (docs/ops.md, invalid ids).
+
+    Pure tensor code: no host sync, shapes from the inputs only.
+    """
+    ids = topk_ids.long()
+    if expert_map is None:
+        local = ids
+        valid = (ids >= 0) & (ids < num_experts)
+    else:
+        num_global = expert_map.size(0)
+        local = expert_map.long()[ids.clamp(0, max(num_global - 1, 0))]
+        valid = (ids >= 0) & (ids < num_global) & (local >= 0) & (local < num_experts)
+    return local.clamp(0, num_experts - 1), valid
+
+
 def gemm_input(x: torch.Tensor, quant: str, ue8m0: bool = False) -> torch.Tensor:
     """fp32 rows ``[n, cols]`` -> the fp32 values the GEMM multiplies: fp8 quantize-dequantize per 128
     columns (fp8_block; ``ue8m0``: power-of-two scales), rounded to bf16 (mxfp4), unchanged (none)."""

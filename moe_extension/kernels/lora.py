@@ -1,0 +1,184 @@
+"""Launchers of the LoRA kernels (``_lora``): the CUDA implementations of ``moe_ext::lora_shrink``,
+``moe_ext::lora_expand`` and ``moe_ext::add_lora`` (arguments already validated by the op layer,
+``moe_extension.ops.lora``).
+
+Shapes: ``x [M, K]`` (one input per token) or ``[M, topk, K]`` (one per slot), ``lora_a [L, E, r, K]``,
+``lora_b [L, E, n, r]``, ``u [M, topk, r]`` fp32, ``out [M, topk, n]``, ``topk_ids [M, topk]``,
+``token_lora_mapping [M]`` int32/int64, ``expert_map [E_global]`` int32, ``topk_weights [M, topk]`` fp32; any
+strides. Sizes come from shapes only, every launch goes to the current stream: capture-safe, no host sync.
+
+Schedule (``lora_plan``), P = M * topk pairs: direct for P <= ``DIRECT_MAX_PAIRS`` (no grouping: 1 launch per
+shrink or expand), grouped above (2 to 4 launches of grouping, then 1 per shrink or expand). ``add_lora``
+groups once for its shrink and expand and keeps ``u`` in sorted order between them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from moe_extension.kernels import _lora as kern
+from moe_extension.kernels._launch import device_guard, sm_count
+from moe_extension.kernels._routing import Routing, route
+
+# NOTE: up to this many pairs the direct schedule runs: it has no grouping launches, but reads the adapters once
+# per pair. add_lora of gpt-oss-20b's w13 (E 32, 4 adapters), direct against grouped on the H100, us: rank 16
+# M 16 8.4 / 23.9, M 64 (256 pairs) 20.4 / 36.6, M 256 59.0 / 45.5; rank 64 M 64 68.3 / 76.1, M 256 214.7 / 89.1
+# (E 128: rank 64 M 64 90.1 / 115.9). Reproduce: python benchmarks/bench_lora.py --models gpt-oss-20b
+# --tokens 16 64 256 --schedule direct (and grouped), column add_w13_us.
+DIRECT_MAX_PAIRS = 256
+_GROUP_IDS_BLOCK = 1024
+
+
+class LoraPlan(NamedTuple):
+    """The schedule of one call: ``routing`` (pairs sorted by group ``l * E + e``) for the grouped one, else None."""
+
+    schedule: str  # "direct" | "grouped"
+    routing: Routing | None
+    slot_args: tuple  # the slot arguments of the kernels (``_lora.slot_group``)
+    num_pairs: int
+    topk: int
+    num_experts: int
+
+
+def lora_block_m(num_pairs: int, num_groups: int) -> int:
+    """Pairs per block of the grouped schedule, from the mean pairs per (adapter, expert) group."""
+    per_group = num_pairs / num_groups
+    return 16 if per_group < 24 else 32 if per_group < 48 else 64
+
+
+def expand_tile(block_m: int, block_r: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the grouped expand.
+
+    NOTE: H100, add_lora of gpt-oss-20b's w13 (E 32, 4 adapters), us for BLOCK_N 64 / 128 / 256 at 4 warps: rank 16
+    M 1024 84.9 / 79.3 / 90.5, M 4096 251.8 / 237.0 / 242.2; rank 64 M 1024 187.2 / 167.8 / 147.0, M 4096 361.8 /
+    329.8 / 321.2; 8 warps were slower in every case (up to 1.6x)."""
+    return (256 if block_r == 64 else 128 if block_r < 64 else 64), 4
+
+
+def _slot_args(topk_ids, expert_map, mapping, num_experts, num_adapters) -> tuple:
+    has_map = expert_map is not None
+    return (topk_ids, topk_ids.stride(0), topk_ids.stride(1), expert_map if has_map else topk_ids,
+            expert_map.numel() if has_map else num_experts, num_experts, topk_ids.numel(), topk_ids.shape[1],
+            int(has_map), mapping, mapping.stride(0), num_adapters)
+
+
+def lora_plan(topk_ids, token_lora_mapping, num_adapters: int, num_experts: int, expert_map=None,
+              schedule: str | None = None) -> LoraPlan:
+    """Group the pairs for the grouped schedule (``schedule`` None: the rule above; tests force either)."""
+    P = topk_ids.numel()
+    slot_args = _slot_args(topk_ids, expert_map, token_lora_mapping, num_experts, num_adapters)
+    schedule = schedule or ("direct" if P <= DIRECT_MAX_PAIRS else "grouped")
+    sizes = (P, topk_ids.shape[1], num_experts)
+    if schedule == "direct" or P == 0:
+        return LoraPlan("direct", None, slot_args, *sizes)
+    groups = torch.empty_like(topk_ids, dtype=torch.int32, memory_format=torch.contiguous_format)
+    kern.lora_group_ids_kernel[(triton.cdiv(P, _GROUP_IDS_BLOCK),)](*slot_args, groups, BLOCK=_GROUP_IDS_BLOCK)
+    num_groups = num_adapters * num_experts
+    routing = route(groups, num_groups, lora_block_m(P, num_groups))
+    return LoraPlan("grouped", routing, slot_args, *sizes)
+
+
+def _x_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(token, slot, column) strides: slot stride 0 for one input per token."""
+    if x.dim() == 2:
+        return x.stride(0), 0, x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _programs(routing: Routing) -> int:
+    # Grid-stride over the blocks: enough programs to fill the GPU, not one per worst-case block.
+    return min(routing.max_blocks, 4 * sm_count(routing.sorted_pairs.device))
+
+
+def _native_dot(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether the shrink multiplies x by A on tensor cores in their own dtype (see ``_lora``)."""
+    return x.device.type == "cuda" and x.dtype == a.dtype and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _expand_mode(b: torch.Tensor) -> int:
+    split = b.device.type == "cuda" and b.dtype == torch.bfloat16
+    return (kern.EXPAND_BF16_SPLIT if split else kern.EXPAND_F32).value
+
+
+def _shrink(plan: LoraPlan, x, lora_a, u, sorted_out: bool) -> None:
+    """u rows [.., r] (u's row stride u.stride(-2)) of every active pair, by pair or (sorted_out) by sorted row."""
+    R, K = lora_a.shape[2], lora_a.shape[3]
+    x_args = (x, *_x_strides(x), lora_a, *lora_a.stride(), u, u.stride(-2))
+    if plan.schedule == "direct":
+        # A's rows in tiles of 16 K elements, as wide as K allows: a decode program loads its tile in one step.
+        block_k = min(4096, triton.next_power_of_2(K))
+        block_r = min(triton.next_power_of_2(R), max(1, 16384 // block_k))
+        kern.lora_shrink_direct_kernel[(plan.num_pairs, triton.cdiv(R, block_r))](
+            *x_args, *plan.slot_args, R, K, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        return
+    routing = plan.routing
+    block_r = max(16, triton.next_power_of_2(R))
+    kern.lora_shrink_grouped_kernel[(_programs(routing),)](
+        *x_args, routing.sorted_pairs, routing.block_expert, routing.max_blocks, plan.num_pairs,
+        plan.topk, plan.num_experts, R, K, SORTED_OUT=sorted_out, F32=not _native_dot(x, lora_a),
+        BLOCK_M=routing.block_m, BLOCK_R=block_r, BLOCK_K=128 if block_r <= 32 else 64, num_warps=4, num_stages=3)
+
+
+def _expand(plan: LoraPlan, out, u, lora_b, topk_weights, sorted_in: bool) -> None:
+    """out[p] += g[p] B[l, e] u[p] for the active pairs (u rows by pair or, sorted_in, by sorted row)."""
+    NOUT, R = lora_b.shape[2], lora_b.shape[3]
+    w = topk_weights if topk_weights is not None else u
+    w_strides = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
+    args = (out, out.stride(0), out.stride(1), out.stride(2), u, u.stride(-2), lora_b, *lora_b.stride(), w, *w_strides)
+    block_r = max(16, triton.next_power_of_2(R))
+    if plan.schedule == "direct":
+        block_n = max(16, min(4096 // block_r, triton.next_power_of_2(NOUT)))
+        kern.lora_expand_direct_kernel[(plan.num_pairs, triton.cdiv(NOUT, block_n))](
+            *args, *plan.slot_args, R, NOUT, HAS_W=topk_weights is not None, BLOCK_N=block_n,
+            BLOCK_R=triton.next_power_of_2(R), num_warps=4)
+        return
+    routing = plan.routing
+    block_n, num_warps = expand_tile(routing.block_m, block_r)
+    kern.lora_expand_grouped_kernel[(_programs(routing), triton.cdiv(NOUT, block_n))](
+        *args, routing.sorted_pairs, routing.block_expert, routing.max_blocks, plan.num_pairs, plan.topk,
+        plan.num_experts, R, NOUT, SORTED_IN=sorted_in, HAS_W=topk_weights is not None, MODE=_expand_mode(lora_b),
+        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=num_warps)
+
+
+def lora_shrink_triton(x, lora_a, topk_ids, token_lora_mapping, *, expert_map=None, schedule=None) -> torch.Tensor:
+    """u [M, topk, r] fp32 = A[l, e] x per pair; rows of inactive pairs 0."""
+    M, topk = topk_ids.shape
+    L, E, R, _ = lora_a.shape
+    with device_guard(x.device):
+        plan = lora_plan(topk_ids, token_lora_mapping, L, E, expert_map, schedule)
+        # The direct shrink writes every pair's row (0 when inactive); the grouped one only the active pairs.
+        alloc = torch.empty if plan.schedule == "direct" else torch.zeros
+        u = alloc((M, topk, R), dtype=torch.float32, device=x.device)
+        if M:
+            _shrink(plan, x, lora_a, u, sorted_out=False)
+    return u
+
+
+def lora_expand_triton(out, u, lora_b, topk_ids, token_lora_mapping, *, expert_map=None, topk_weights=None,
+                       schedule=None) -> None:
+    """out [M, topk, n] += g B[l, e] u per active pair, in place."""
+    L, E = lora_b.shape[:2]
+    if topk_ids.numel() == 0:
+        return
+    with device_guard(out.device):
+        plan = lora_plan(topk_ids, token_lora_mapping, L, E, expert_map, schedule)
+        _expand(plan, out, u, lora_b, topk_weights, sorted_in=False)
+
+
+def add_lora_triton(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, *, expert_map=None, topk_weights=None,
+                    schedule=None) -> None:
+    """out [M, topk, n] += g B[l, e] (A[l, e] x) per active pair, in place: one grouping for both GEMMs."""
+    L, E, R, _ = lora_a.shape
+    if topk_ids.numel() == 0:
+        return
+    with device_guard(out.device):
+        plan = lora_plan(topk_ids, token_lora_mapping, L, E, expert_map, schedule)
+        if plan.schedule == "direct":
+            u = torch.empty((topk_ids.numel(), R), dtype=torch.float32, device=x.device)
+        else:
+            u = torch.empty((plan.routing.max_blocks * plan.routing.block_m, R), dtype=torch.float32, device=x.device)
+        _shrink(plan, x, lora_a, u, sorted_out=True)
+        _expand(plan, out, u, lora_b, topk_weights, sorted_in=True)

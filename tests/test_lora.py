@@ -1,0 +1,276 @@
+"""LoRA ops (``moe_ext::lora_shrink`` / ``lora_expand`` / ``add_lora``, moe_extension/ops/lora.py) and their Triton
+kernels (moe_extension/kernels/lora.py) against the fp64 loop ``tests.reference.lora_reference``: both kernel
+schedules (direct, grouped with every block size), ranks 1..64, per-token and per-slot inputs, expert_map with
+invalid ids, router weights, mixed adapter mappings with -1 and out-of-range ids; inactive pairs bitwise
+untouched; opcheck; compile with dynamic M. The kernels run in Triton's interpreter on CPU tensors and on CUDA.
+CUDA only: the issue's matrix through the ops, CUDA-graph replays with changed adapters and mapping, compile
+with Inductor, LoRA on MXFP4 and fp8 block base weights through UnfusedOAITritonExperts.
+"""
+
+import pytest
+import torch
+
+from moe_extension.experts import LoRAWeights, UnfusedOAITritonExperts
+from moe_extension.kernels.lora import add_lora_triton, lora_block_m, lora_expand_triton, lora_shrink_triton
+from moe_extension.ops import add_lora, lora_expand, lora_shrink
+from tests.reference import lora_reference, opcheck_utils, random_expert_map, random_experts, random_routing
+from tests.utils import DEVICES, INTERPRETED, assert_graph_replays_match_eager, rel_err
+
+KERNEL_DEVICES = [d for d in DEVICES if d == "cuda" or INTERPRETED]
+# fp32 LoRA math, one rounding into out: the error is out's rounding (plus fp32 sums).
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def make_case(M, topk, L, E, r, K, n, dtype=torch.float32, *, per_slot=False, with_map=False, weights=True,
+              device="cpu", seed=0, adapter_dtype=None):
+    """Keyword arguments of add_lora: adapters of scale ~1/sqrt(fan-in), mapping in [-1, L] (L: out of range;
+    token 0 has adapter 0 and a valid slot, token 1 none)."""
+    torch.manual_seed(seed)
+    adapter_dtype = adapter_dtype or dtype
+    num_global = E + 3 if with_map else E
+    topk_weights, topk_ids = random_routing(M, num_global, topk)
+    x = torch.randn(M, topk, K) if per_slot else torch.randn(M, K)
+    mapping = torch.randint(-1, L + 1, (M,), dtype=torch.int32)
+    mapping[:2] = torch.tensor([0, -1])[:M]  # token 0 with an adapter, token 1 without
+    expert_map = random_expert_map(num_global, E) if with_map else None
+    topk_ids[0, 0] = 0 if expert_map is None else int(torch.nonzero(expert_map >= 0)[0])
+    case = {
+        "out": torch.randn(M, topk, n).to(dtype),
+        "x": x.to(dtype),
+        "lora_a": (torch.randn(L, E, r, K) / K**0.5).to(adapter_dtype),
+        "lora_b": (torch.randn(L, E, n, r) / r**0.5).to(adapter_dtype),
+        "topk_ids": topk_ids,
+        "token_lora_mapping": mapping,
+        "expert_map": expert_map,
+        "topk_weights": topk_weights if weights else None,
+    }
+    return {k: None if v is None else v.to(device) for k, v in case.items()}
+
+
+def active_pairs(case) -> torch.Tensor:
+    """[M, topk] bool: the pairs add_lora may write (valid slot, adapter in [0, L))."""
+    ref = lora_reference(**dict(case, lora_b=torch.ones_like(case["lora_b"], device="cpu"),
+                                lora_a=torch.ones_like(case["lora_a"], device="cpu"),
+                                x=torch.ones_like(case["x"], device="cpu"), topk_weights=None))
+    return (ref != case["out"].cpu().double()).any(-1)
+
+
+def check_add(out, case, tol):
+    """out (add_lora's result) against the reference: close on active pairs, bitwise the input elsewhere."""
+    ref = lora_reference(**case)
+    assert rel_err(out.cpu(), ref) < tol
+    idle = ~active_pairs(case)
+    assert torch.equal(out.cpu()[idle], case["out"].cpu()[idle])
+    assert (~idle).any() and (idle.any() or len(idle) == 1), "the case must hold both kinds of pair"
+
+
+def split(case):
+    """(shrink keywords, expand keywords) of an add_lora case."""
+    slots = {k: case[k] for k in ("topk_ids", "token_lora_mapping", "expert_map")}
+    return dict(x=case["x"], lora_a=case["lora_a"], **slots), dict(lora_b=case["lora_b"], **slots,
+                                                                    topk_weights=case["topk_weights"])
+
+
+# ------------------------------------------------------------------------------------------------------ the ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_slot,with_map,weights", [(False, False, True), (True, True, False), (False, True, True)])
+def test_add_lora_matches_reference(device, dtype, per_slot, with_map, weights):
+    case = make_case(13, 3, 3, 5, 4, 48, 40, dtype, per_slot=per_slot, with_map=with_map, weights=weights,
+                     device=device, seed=1)
+    out = case["out"].clone()
+    assert add_lora(out, **{k: v for k, v in case.items() if k != "out"}) is out
+    check_add(out, case, TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shrink_then_expand_equals_add_lora(device):
+    case = make_case(11, 2, 2, 4, 6, 40, 24, per_slot=True, with_map=True, device=device, seed=2)
+    shrink_kw, expand_kw = split(case)
+    u = lora_shrink(**shrink_kw)
+    assert u.shape == (11, 2, 6) and u.dtype == torch.float32
+    idle = ~active_pairs(case)
+    assert (u.cpu()[idle] == 0).all(), "inactive pairs' rows of u are 0"
+    out = lora_expand(case["out"].clone(), u, **expand_kw)
+    check_add(out, case, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["lora_shrink", "lora_expand", "add_lora"])
+def test_opcheck(device, op):
+    case = make_case(7, 2, 2, 3, 4, 32, 24, with_map=True, device=device, seed=3)
+    shrink_kw, expand_kw = split(case)
+    slots = (case["topk_ids"], case["token_lora_mapping"])
+    if op == "lora_shrink":
+        args, kwargs = (case["x"], case["lora_a"], *slots), {"expert_map": case["expert_map"]}
+    elif op == "lora_expand":
+        u = lora_shrink(**shrink_kw)
+        args = (case["out"].clone(), u, case["lora_b"], *slots)
+        kwargs = {"expert_map": case["expert_map"], "topk_weights": case["topk_weights"]}
+    else:
+        args = (case["out"].clone(), case["x"], case["lora_a"], case["lora_b"], *slots)
+        kwargs = {"expert_map": case["expert_map"], "topk_weights": case["topk_weights"]}
+    torch.library.opcheck(getattr(torch.ops.moe_ext, op).default, args, kwargs, test_utils=opcheck_utils("none"))
+
+
+def test_compiles_with_dynamic_tokens_without_recompiles():
+    def run(out, x, lora_a, lora_b, ids, mapping, weights):
+        u = torch.ops.moe_ext.lora_shrink(x, lora_a, ids, mapping)
+        torch.ops.moe_ext.lora_expand(out, u, lora_b, ids, mapping, topk_weights=weights)
+        return out
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for M in (3, 6, 17):
+            case = make_case(M, 2, 2, 3, 4, 32, 24, seed=M)
+            args = [case[k] for k in ("out", "x", "lora_a", "lora_b", "topk_ids", "token_lora_mapping",
+                                      "topk_weights")]
+            out = args[0].clone()
+            for t in (out, *args[1:2], *args[4:]):
+                torch._dynamo.mark_dynamic(t, 0)
+            assert torch.equal(compiled(out, *args[1:]), run(args[0].clone(), *args[1:]))
+
+
+# -------------------------------------------------------------------------------------------------- the kernels
+
+KERNEL_CASES = [
+    # M, topk, L, E, r, K, n, schedule
+    (1, 4, 2, 6, 16, 64, 48, "direct"),
+    (9, 3, 3, 4, 1, 40, 33, "direct"),
+    (9, 3, 3, 4, 64, 40, 33, "direct"),
+    (9, 3, 3, 4, 5, 40, 33, "grouped"),  # blocks of 16
+    (40, 2, 1, 2, 16, 72, 24, "grouped"),  # 80 pairs over 2 groups: blocks of 32 (lora_block_m)
+    (70, 2, 1, 2, 64, 72, 24, "grouped"),  # 140 over 2: blocks of 64, routing in three launches
+    (23, 2, 16, 3, 8, 64, 48, "grouped"),  # L 16: 48 groups
+]
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("M,topk,L,E,r,K,n,schedule", KERNEL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernels_match_reference(device, M, topk, L, E, r, K, n, schedule, dtype):
+    per_slot = (M + r) % 2 == 1
+    case = make_case(M, topk, L, E, r, K, n, dtype, per_slot=per_slot, with_map=M % 3 == 0, weights=M % 2 == 1,
+                     device=device, seed=M * 100 + r)
+    kw = {k: v for k, v in case.items() if k != "out"}
+    out = case["out"].clone()
+    add_lora_triton(out, **kw, schedule=schedule)
+    check_add(out, case, TOL[dtype])
+    shrink_kw, expand_kw = split(case)
+    u = lora_shrink_triton(**shrink_kw, schedule=schedule)
+    assert (u.cpu()[~active_pairs(case)] == 0).all()
+    two = case["out"].clone()
+    lora_expand_triton(two, u, **expand_kw, schedule=schedule)
+    check_add(two, case, TOL[dtype])
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_kernels_adapters_in_their_own_dtype(device):
+    """bf16 activations with fp32 adapters (and the reverse): the kernels multiply in fp32 then."""
+    for dtype, adapter_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        for schedule in ("direct", "grouped"):
+            case = make_case(10, 2, 2, 3, 8, 48, 40, dtype, adapter_dtype=adapter_dtype, device=device, seed=5)
+            out = case["out"].clone()
+            add_lora_triton(out, **{k: v for k, v in case.items() if k != "out"}, schedule=schedule)
+            check_add(out, case, TOL[dtype])
+
+
+def test_block_rule():
+    assert [lora_block_m(p, 128) for p in (4, 1024, 3072, 8192, 16384)] == [16, 16, 32, 64, 64]
+
+
+# ------------------------------------------------------------------------------------------------------ on CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 7, 300, 2048])
+@pytest.mark.parametrize("r", [1, 8, 16, 64])
+@pytest.mark.parametrize("L", [1, 4, 16])
+def test_cuda_matrix(M, r, L):
+    """The issue's matrix through the ops: gemm1's term (per-token x, 2N rows) and gemm2's (per-slot a)."""
+    E, K, N, topk = 8, 256, 96, 4
+    first = make_case(M, topk, L, E, r, K, 2 * N, torch.bfloat16, with_map=True, device="cuda", seed=M + r + L)
+    out = first["out"].clone()
+    add_lora(out, **{k: v for k, v in first.items() if k != "out"})
+    check_add(out, first, TOL[torch.bfloat16])
+    second = make_case(M, topk, L, E, r, N, K, torch.bfloat16, per_slot=True, device="cuda", seed=M * r + L)
+    shrink_kw, expand_kw = split(second)
+    out = lora_expand(second["out"].clone(), lora_shrink(**shrink_kw), **expand_kw)
+    check_add(out, second, TOL[torch.bfloat16])
+
+
+def _unfused_case(quant, M, device, L=4, r=16, seed=0, E=8, N=128, K=256, topk=4):
+    torch.manual_seed(seed)
+    w = random_experts(E, K, N, quant, torch.bfloat16, "cpu", bias=True)
+    lora = LoRAWeights(*[(torch.randn(*s) * 0.05).to(torch.bfloat16) for s in
+                         ((L, E, r, K), (L, E, 2 * N, r), (L, E, r, N), (L, E, K, r))])
+    weights, ids = random_routing(M, E, topk)
+    mapping = torch.randint(-1, L, (M,), dtype=torch.int32)
+    x = torch.randn(M, K).to(torch.bfloat16)
+
+    def experts_on(dev):
+        # the classes hold [E, in, out] views of the ops' [E, out, in] stacks
+        moved = {k: None if v is None else v.to(dev).transpose(1, 2) if v.dim() == 3 else v.to(dev)
+                 for k, v in w.items()}
+        return UnfusedOAITritonExperts(moved["w1"], moved["w2"], quant=quant, w1_scale=moved["w1_scale"],
+                                       w2_scale=moved["w2_scale"], w1_bias=moved["w1_bias"],
+                                       w2_bias=moved["w2_bias"], activation="swigluoai",
+                                       lora=LoRAWeights(*[t.to(dev) for t in vars(lora).values()]))
+
+    return experts_on, (x, weights, ids, mapping)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", ["none", "mxfp4", "fp8_block"])
+@pytest.mark.parametrize("M", [1, 300])
+def test_cuda_unfused_with_lora_on_every_format(quant, M):
+    experts_on, inputs = _unfused_case(quant, M, "cuda", seed=M)
+    x, weights, ids, mapping = inputs
+    cpu = experts_on("cpu").apply(x, weights, ids, token_lora_mapping=mapping)
+    gpu = experts_on("cuda").apply(*[t.cuda() for t in inputs[:3]], token_lora_mapping=mapping.cuda())
+    assert rel_err(gpu.cpu(), cpu) < 1e-2
+    base = experts_on("cuda").apply(*[t.cuda() for t in inputs[:3]])
+    none = mapping < 0
+    assert torch.equal(gpu.cpu()[none], base.cpu()[none])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 300])
+def test_cuda_graph_replays_with_changed_adapters_and_mapping(M):
+    experts_on, inputs = _unfused_case("none", M, "cuda", seed=7 + M)
+    experts = experts_on("cuda")
+    lora = experts.lora
+    static = [t.cuda() for t in inputs] + [t for t in vars(lora).values()]
+
+    def call(s):
+        return experts.apply(s[0], s[1], s[2], token_lora_mapping=s[3])
+
+    def fresh():
+        _, new = _unfused_case("none", M, "cpu", seed=int(torch.randint(0, 10**6, ())))
+        x, weights, ids, mapping = (t.cuda() for t in new)
+        adapters = [torch.randn_like(t) * 0.05 for t in vars(lora).values()]
+        return [x, weights, ids, mapping, *adapters]
+
+    assert_graph_replays_match_eager(call, static, fresh)
+
+
+@pytest.mark.cuda
+def test_cuda_compiles_with_dynamic_tokens_without_recompiles():
+    experts_on, _ = _unfused_case("none", 4, "cuda")
+    experts = experts_on("cuda")
+
+    def run(x, weights, ids, mapping):
+        return experts.apply(x, weights, ids, token_lora_mapping=mapping)
+
+    compiled = torch.compile(run, fullgraph=True)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for M in (3, 70, 300):
+            _, inputs = _unfused_case("none", M, "cpu", seed=M)
+            args = [t.cuda() for t in inputs]
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 0)
+            assert torch.equal(compiled(*args), run(*args))
