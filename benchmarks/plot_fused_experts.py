@@ -74,26 +74,36 @@ def plot(result: dict, out: Path) -> Path:
         ax.set_ylabel("µs per call")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"fused_experts, {weights_caption(result)}, {result.get('activation', 'swigluoai')}, "
-                 "CUDA-graph medians — "
-                 f"{result.get('device', '')} (torch {result.get('torch', '?')}, triton {result.get('triton', '?')})",
-                 fontsize=10)
+    return save_chart(fig, f"fused_experts, {weights_caption(result)}, {result.get('activation', 'swigluoai')}",
+                      result, out)
+
+
+def save_chart(fig, title: str, result: dict, out: Path) -> Path:
+    """Title ``title`` + the run's device and versions, then write the PNG."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(f"{title}, CUDA-graph medians — {result.get('device', '')} (torch {result.get('torch', '?')}, "
+                 f"triton {result.get('triton', '?')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", type=Path, help="fused_experts_<gpu>.json or fused_experts_mxfp4_<gpu>.json written by "
-                                           "bench_fused_experts.py")
+def chart_main(plot_fn, doc: str, json_help: str, argv=None) -> int:
+    """The command line of a chart script: ``JSON [-o PNG]`` (default: the JSON's path with .png)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("json", type=Path, help=json_help)
     p.add_argument("-o", "--out", type=Path, help="PNG path (default: the JSON's path with .png)")
     args = p.parse_args(argv)
-    result = json.loads(args.json.read_text())
-    path = plot(result, args.out or args.json.with_suffix(".png"))
+    path = plot_fn(json.loads(args.json.read_text()), args.out or args.json.with_suffix(".png"))
     print(f"wrote {path}")
     return 0
+
+
+def main(argv=None) -> int:
+    return chart_main(plot, __doc__, "fused_experts_<gpu>.json or fused_experts_mxfp4_<gpu>.json written by "
+                                     "bench_fused_experts.py", argv)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ share of tokens with an adapter), each rank's target dashed in its colour. Needs
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
+
+from plot_fused_experts import chart_main, save_chart
 
 COLORS = ("tab:blue", "tab:red", "tab:green", "tab:purple")
 
@@ -43,23 +43,11 @@ def plot(result: dict, out: Path) -> Path:
         ax.set_ylabel("unfused + LoRA / unfused without")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("UnfusedOAITritonExperts with LoRA, bf16, CUDA-graph medians — "
-                 f"{result.get('device', '')} (torch {result.get('torch', '?')}, triton {result.get('triton', '?')})",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_chart(fig, "UnfusedOAITritonExperts with LoRA, bf16", result, out)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", type=Path, help="lora_<gpu>.json written by bench_lora.py")
-    p.add_argument("-o", "--out", type=Path, help="PNG path (default: the JSON's path with .png)")
-    args = p.parse_args(argv)
-    path = plot(json.loads(args.json.read_text()), args.out or args.json.with_suffix(".png"))
-    print(f"wrote {path}")
-    return 0
+    return chart_main(plot, __doc__, "lora_<gpu>.json written by bench_lora.py", argv)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from moe_extension.ops import expert_gemm1, expert_gemm2, fused_experts, fused_moe, topk_softmax
+from moe_extension.ops import (add_lora, expert_gemm1, expert_gemm2, fused_experts, fused_moe, lora_expand,
+                               lora_shrink, topk_softmax)
 from tests.reference import random_experts, random_routing
 
 E, K, N, M, TOPK = 4, 64, 32, 3, 2
 OPS = {"fused_experts": fused_experts, "fused_moe": fused_moe, "topk_softmax": topk_softmax,
-       "expert_gemm1": expert_gemm1, "expert_gemm2": expert_gemm2}
+       "expert_gemm1": expert_gemm1, "expert_gemm2": expert_gemm2, "lora_shrink": lora_shrink,
+       "lora_expand": lora_expand, "add_lora": add_lora}
+LORA_OPS = ("lora_shrink", "lora_expand", "add_lora")
+L, R = 2, 3  # adapters, rank
 
 
 def valid_args(op: str, quant: str = "none") -> dict[str, Any]:
@@ -24,6 +28,15 @@ def valid_args(op: str, quant: str = "none") -> dict[str, Any]:
     x = torch.randn(M, K)
     if op == "topk_softmax":
         return {"gating_output": torch.randn(M, E), "topk": TOPK, "renormalize": True}
+    if op in LORA_OPS:
+        slots = {"topk_ids": topk_ids, "token_lora_mapping": torch.tensor([0, -1, 1], dtype=torch.int32)}
+        a, b = torch.randn(L, E, R, K), torch.randn(L, E, 2 * N, R)
+        if op == "lora_shrink":
+            return dict(x=x, lora_a=a, **slots)
+        out = torch.randn(M, TOPK, 2 * N)
+        if op == "lora_expand":
+            return dict(out=out, u=torch.randn(M, TOPK, R), lora_b=b, **slots, topk_weights=topk_weights)
+        return dict(out=out, x=x, lora_a=a, lora_b=b, **slots, topk_weights=topk_weights)
     if op == "expert_gemm1":
         return {"hidden_states": x, "w1": w["w1"], "topk_ids": topk_ids, "w1_bias": w["w1_bias"],
                 "topk_weights": topk_weights, "quant": quant, "w1_scale": w["w1_scale"]}
@@ -208,6 +221,25 @@ CASES = {
     "gemm2_weights_shape": Case("expert_gemm2", "none", {"topk_weights": lambda a: torch.rand(M, 1)}, RuntimeError,
                                 "expert_gemm2: topk_weights must have shape [M, topk] like topk_ids = [3, 2], got "
                                 "[3, 1]"),
+    # LoRA ops
+    "lora_a_K": Case("add_lora", "none", {"lora_a": lambda a: torch.randn(L, E, R, K - 4)}, RuntimeError,
+                     f"add_lora: lora_a must have shape [L, E, r, K] = [2, 4, 3, {K}], got [2, 4, 3, {K - 4}]", True),
+    "lora_b_rank": Case("add_lora", "none", {"lora_b": lambda a: torch.randn(L, E, 2 * N, R + 2)}, RuntimeError,
+                        "add_lora: lora_b must have shape [L, E, n, r] = [2, 4, 64, 3], got [2, 4, 64, 5]"),
+    "lora_mapping_dtype": Case("lora_shrink", "none", {"token_lora_mapping": lambda a: torch.zeros(M)}, TypeError,
+                               "lora_shrink: token_lora_mapping must have dtype int32 or int64, got torch.float32",
+                               True),
+    "lora_mapping_shape": Case("add_lora", "none",
+                               {"token_lora_mapping": lambda a: torch.zeros(M + 1, dtype=torch.int32)}, RuntimeError,
+                               "add_lora: token_lora_mapping must have shape [M] = [3], got [4]", True),
+    "lora_u_dtype": Case("lora_expand", "none", {"u": lambda a: a["u"].bfloat16()}, TypeError,
+                         "lora_expand: u must have dtype float32, got torch.bfloat16"),
+    "lora_x_slots": Case("lora_shrink", "none", {"x": lambda a: torch.randn(M, TOPK + 1, K)}, RuntimeError,
+                         "lora_shrink: topk_ids must have shape [M, topk] = [3, 3], got [3, 2]"),
+    "lora_zero_rank": Case("lora_shrink", "none", {"lora_a": lambda a: torch.randn(L, E, 0, K)}, RuntimeError,
+                           f"lora_shrink: lora_a must have L, E, rows and cols >= 1, got shape [2, 4, 0, {K}]"),
+    "lora_weights_shape": Case("lora_expand", "none", {"topk_weights": lambda a: torch.rand(M, TOPK, 1)},
+                               RuntimeError, "lora_expand: topk_weights must have shape [M, topk] like topk_ids"),
 }
 
 
@@ -222,8 +254,8 @@ def test_enough_cases():
 
 
 @pytest.mark.parametrize(
-    "op,quant", [(op, q) for op in sorted(OPS) for q in ("none", "fp8_block", "mxfp4") if op != "topk_softmax"]
-    + [("topk_softmax", "none")],
+    "op,quant", [(op, q) for op in sorted(OPS) for q in ("none", "fp8_block", "mxfp4")
+                 if op not in ("topk_softmax", *LORA_OPS)] + [(op, "none") for op in ("topk_softmax", *LORA_OPS)],
 )
 def test_valid_arguments_pass(op, quant):
     OPS[op](**valid_args(op, quant))

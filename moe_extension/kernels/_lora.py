@@ -48,6 +48,13 @@ def slot_group(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has
     return tl.where(active, tl.where(active, adapter, 0).to(tl.int32) * E + e, -1), active
 
 
+@triton.jit
+def group_matrix(ptr, g, E, stride_l, stride_e):
+    """Base pointer of group g's matrix in a stack [L, E, rows, cols]: entry [l, e] for g = l * E + e."""
+    adapter = g // E
+    return ptr + adapter.to(tl.int64) * stride_l + (g - adapter * E).to(tl.int64) * stride_e
+
+
 @triton.jit(do_not_specialize=_SLOT_ARGS)
 def lora_group_ids_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, lora_ptr, stride_lm,
                           L, groups_ptr, BLOCK: tl.constexpr):
@@ -69,11 +76,9 @@ def lora_shrink_direct_kernel(x_ptr, stride_xm, stride_xj, stride_xk, a_ptr, str
                            L, p)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if active:
-        adapter = g // E
         t = p // topk
         x_row = x_ptr + t.to(tl.int64) * stride_xm + (p - t * topk) * stride_xj
-        a_rows = (a_ptr + adapter.to(tl.int64) * stride_al + (g - adapter * E).to(tl.int64) * stride_ae
-                  + r[:, None] * stride_ar)
+        a_rows = group_matrix(a_ptr, g, E, stride_al, stride_ae) + r[:, None] * stride_ar
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_row + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)
@@ -92,14 +97,12 @@ def lora_expand_direct_kernel(out_ptr, stride_om, stride_oj, stride_on, u_ptr, s
     g, active = slot_group(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, lora_ptr, stride_lm,
                            L, p)
     if active:
-        adapter = g // E
         t = p // topk
         j = p - t * topk
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         r = tl.arange(0, BLOCK_R)
         u = tl.load(u_ptr + p.to(tl.int64) * stride_up + r, mask=r < R, other=0.0)
-        b = tl.load(b_ptr + adapter.to(tl.int64) * stride_bl + (g - adapter * E).to(tl.int64) * stride_be
-                    + n[:, None] * stride_bn + r[None, :] * stride_br,
+        b = tl.load(group_matrix(b_ptr, g, E, stride_bl, stride_be) + n[:, None] * stride_bn + r[None, :] * stride_br,
                     mask=(n < NOUT)[:, None] & (r < R)[None, :], other=0.0)
         delta = tl.sum(b.to(tl.float32) * u[None, :], axis=1)
         if HAS_W:
@@ -110,10 +113,14 @@ def lora_expand_direct_kernel(out_ptr, stride_om, stride_oj, stride_on, u_ptr, s
 
 
 @triton.jit
-def _block_rows(sorted_ptr, b, P, BLOCK_M: tl.constexpr):
-    """The pairs of sorted block b (the sentinel P in padding rows) and which rows are real."""
+def _block_pairs(sorted_ptr, b, P, topk, BLOCK_M: tl.constexpr):
+    """The pairs of sorted block b (the sentinel P in padding rows), which rows are real, and their tokens and
+    slots (0 for padding rows)."""
     pairs = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    return pairs, pairs < P
+    real = pairs < P
+    p = tl.where(real, pairs, 0)
+    t = p // topk
+    return p, real, t, p - t * topk
 
 
 @triton.jit(do_not_specialize=["P", "topk", "E", "max_blocks"])
@@ -127,13 +134,9 @@ def lora_shrink_grouped_kernel(x_ptr, stride_xm, stride_xj, stride_xk, a_ptr, st
     for b in range(tl.program_id(0), max_blocks, tl.num_programs(0)):
         g = tl.load(block_group_ptr + b)
         if g >= 0:
-            adapter = g // E
-            pairs, real = _block_rows(sorted_ptr, b, P, BLOCK_M)
-            t = tl.where(real, pairs // topk, 0)
-            x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_xm + (tl.where(real, pairs, 0) - t * topk)[:, None] \
-                * stride_xj
-            a_cols = (a_ptr + adapter.to(tl.int64) * stride_al + (g - adapter * E).to(tl.int64) * stride_ae
-                      + r[None, :] * stride_ar)
+            pairs, real, t, j = _block_pairs(sorted_ptr, b, P, topk, BLOCK_M)
+            x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_xm + j[:, None] * stride_xj
+            a_cols = group_matrix(a_ptr, g, E, stride_al, stride_ae) + r[None, :] * stride_ar
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
@@ -163,16 +166,15 @@ def lora_expand_grouped_kernel(out_ptr, stride_om, stride_oj, stride_on, u_ptr, 
     for b in range(tl.program_id(0), max_blocks, tl.num_programs(0)):
         g = tl.load(block_group_ptr + b)
         if g >= 0:
-            adapter = g // E
-            pairs, real = _block_rows(sorted_ptr, b, P, BLOCK_M)
+            pairs, real, t, j = _block_pairs(sorted_ptr, b, P, topk, BLOCK_M)
             if SORTED_IN:
                 u_rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
             else:
-                u_rows = tl.where(real, pairs, 0)
+                u_rows = pairs
             u = tl.load(u_ptr + u_rows.to(tl.int64)[:, None] * stride_up + r[None, :],
                         mask=real[:, None] & (r < R)[None, :], other=0.0)
-            bt = tl.load(b_ptr + adapter.to(tl.int64) * stride_bl + (g - adapter * E).to(tl.int64) * stride_be
-                         + r[:, None] * stride_br + n[None, :] * stride_bn,
+            b_cols = group_matrix(b_ptr, g, E, stride_bl, stride_be) + r[:, None] * stride_br
+            bt = tl.load(b_cols + n[None, :] * stride_bn,
                          mask=(r < R)[:, None] & (n < NOUT)[None, :], other=0.0)
             if MODE == EXPAND_BF16_SPLIT:
                 u_hi = u.to(tl.bfloat16)
@@ -180,8 +182,6 @@ def lora_expand_grouped_kernel(out_ptr, stride_om, stride_oj, stride_on, u_ptr, 
                 delta = tl.dot(u_lo, bt, tl.dot(u_hi, bt))
             else:
                 delta = tl.dot(u, bt.to(tl.float32), input_precision="ieee")
-            t = tl.where(real, pairs // topk, 0)
-            j = tl.where(real, pairs, 0) - t * topk
             if HAS_W:
                 delta *= tl.load(w_ptr + t.to(tl.int64) * stride_wm + j * stride_wj, mask=real, other=0.0)[:, None]
             ptrs = out_ptr + (t.to(tl.int64) * stride_om + j * stride_oj)[:, None] + n[None, :] * stride_on
