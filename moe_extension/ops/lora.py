@@ -13,8 +13,9 @@ token's adapter ``l = token_lora_mapping[t]`` and the slot's local expert ``e``,
 A pair is active when its slot is valid (docs/ops.md: id in range, mapped to a local expert in [0, E)) and its
 token's adapter is in [0, L) (-1, or any id outside, means none). Inactive pairs' ``out`` rows are never written:
 tokens without an adapter keep the base output bit for bit. Adapters in any float dtype (their own, not the
-activations'); math in fp32, one rounding into ``out``. ``token_lora_mapping`` and the adapters are read on the
-device: changing them in place between CUDA-graph replays needs no recapture.
+activations'); math in fp32, one rounding into ``out`` (on CUDA, bf16 adapters multiply ``u`` as two bf16
+parts: 16 bits of its mantissa, ``moe_extension/kernels/_lora.py``). ``token_lora_mapping`` and the adapters are
+read on the device: changing them in place between CUDA-graph replays needs no recapture.
 
 CUDA: Triton kernels grouped by (adapter, expert) (``moe_extension.kernels.lora``); elsewhere the PyTorch
 implementation below (one adapter matrix gathered per pair).
