@@ -145,6 +145,8 @@ KERNEL_CASES = [
     (40, 2, 1, 2, 16, 72, 24, "grouped"),  # 80 pairs over 2 groups: blocks of 32 (lora_block_m)
     (70, 2, 1, 2, 64, 72, 24, "grouped"),  # 140 over 2: blocks of 64, routing in three launches
     (23, 2, 16, 3, 8, 64, 48, "grouped"),  # L 16: 48 groups
+    (5, 2, 2, 3, 128, 64, 40, "direct"),  # the largest rank
+    (40, 2, 1, 2, 128, 72, 24, "grouped"),
 ]
 
 
@@ -202,11 +204,13 @@ def test_cuda_matrix(M, r, L):
     check_add(out, second, TOL[torch.bfloat16])
 
 
-def _unfused_case(quant, M, device, L=4, r=16, seed=0, E=8, N=128, K=256, topk=4):
+def _unfused_case(quant, M, device, L=4, r=16, r2=8, seed=0, E=8, N=128, K=256, topk=4):
+    """UnfusedOAITritonExperts on ``quant`` weights with L adapters (ranks r and r2 for the two GEMMs) on a device
+    (``experts_on(device)``), and its inputs (x, topk_weights, topk_ids, token_lora_mapping) on the CPU."""
     torch.manual_seed(seed)
     w = random_experts(E, K, N, quant, torch.bfloat16, "cpu", bias=True)
     lora = LoRAWeights(*[(torch.randn(*s) * 0.05).to(torch.bfloat16) for s in
-                         ((L, E, r, K), (L, E, 2 * N, r), (L, E, r, N), (L, E, K, r))])
+                         ((L, E, r, K), (L, E, 2 * N, r), (L, E, r2, N), (L, E, K, r2))])
     weights, ids = random_routing(M, E, topk)
     mapping = torch.randint(-1, L, (M,), dtype=torch.int32)
     x = torch.randn(M, K).to(torch.bfloat16)
