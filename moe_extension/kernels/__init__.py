@@ -5,6 +5,8 @@ points that the op layer dispatches CUDA calls to. They also run on CPU tensors 
 - ``expert_gemm1_triton`` / ``expert_gemm2_triton``: the unfused path's two GEMMs, per-slot rows.
 - ``topk_softmax_triton``: fused softmax + top-k routing.
 - ``grouped_topk_triton``: DeepSeek grouped top-k routing (softmax or sigmoid scores, correction bias).
+- ``moe_extension.kernels.lora``: ``lora_shrink_triton`` / ``lora_expand_triton`` / ``add_lora_triton``, the LoRA
+  terms of the unfused path (pairs grouped by adapter and expert).
 """
 
 from moe_extension.kernels._topk_softmax import topk_softmax_triton  # noqa: F401
