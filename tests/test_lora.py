@@ -213,6 +213,7 @@ def _unfused_case(quant, M, device, L=4, r=16, r2=8, seed=0, E=8, N=128, K=256, 
                          ((L, E, r, K), (L, E, 2 * N, r), (L, E, r2, N), (L, E, K, r2))])
     weights, ids = random_routing(M, E, topk)
     mapping = torch.randint(-1, L, (M,), dtype=torch.int32)
+    mapping[0] = 0  # at least one token with an adapter
     x = torch.randn(M, K).to(torch.bfloat16)
 
     def experts_on(dev):
@@ -239,6 +240,7 @@ def test_cuda_unfused_with_lora_on_every_format(quant, M):
     base = experts_on("cuda").apply(*[t.cuda() for t in inputs[:3]])
     none = mapping < 0
     assert torch.equal(gpu.cpu()[none], base.cpu()[none])
+    assert rel_err(gpu.cpu()[~none], base.cpu()[~none]) > 2e-2, "the adapters must change the tokens that have one"
 
 
 @pytest.mark.cuda

@@ -8,16 +8,17 @@ for the active pairs (valid expert, adapter in [0, L)); the others are never tou
 fp32, one rounding per stored value of ``out``; no float atomics (bitwise reproducible).
 
 A pair's group is ``l * E + e`` (``slot_group``). Two schedules:
-- direct (a few pairs: decode): the shrink runs one program per (pair, 16 rows of A), the expand one per (pair,
-  column tile of B); each reads its own adapter tiles; fp32 products and sums.
+- direct (a few pairs: decode): the shrink runs one program per (pair, tile of A's rows), the expand one per
+  (pair, column tile of B); each reads its own adapter tiles; fp32 products and sums.
 - grouped: ``lora_group_ids_kernel`` writes every pair's group (-1 inactive) and ``_routing.route`` sorts the
   pairs by group into blocks of ``BLOCK_M`` pairs of one group; a shrink program multiplies a block's rows by
   its group's A (read once per block, not per pair), an expand program a block's ``u`` by a column tile of
   B. Programs walk the blocks with a grid stride (blocks past the used ones read group -1 and are skipped), so
   the grid does not grow with the worst-case block count (L * E groups).
-  Tensor-core dots: x with A when both have the same 16-bit dtype (exact products, fp32 accumulation); ``u``
-  with a bf16 B as two bf16 dots, ``u``'s high and low bf16 parts (16 bits of ``u``'s mantissa); every other
-  combination (fp32 or fp16 adapters, mixed dtypes, the interpreter) in fp32 ("ieee").
+  Tensor-core dots: the shrink's x with A when both have the same 16-bit dtype (exact products, fp32
+  accumulation); the expand's ``u`` with a bf16 B as two bf16 dots, ``u``'s high and low bf16 parts (16 bits of
+  ``u``'s mantissa). Every other combination (the expand with fp32 or fp16 B, the shrink with mixed or fp32
+  dtypes, anything in the interpreter) multiplies in fp32 ("ieee").
 """
 
 from __future__ import annotations

@@ -102,9 +102,8 @@ def check_add_lora(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, expert_
 # ----------------------------------------------------------------------------------------------------
 
 
-def _shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map) -> torch.Tensor:
-    L, E = lora_a.shape[:2]
-    adapter, expert, active = lora_slots(topk_ids, token_lora_mapping, L, E, expert_map)
+def _shrink(x, lora_a, slots) -> torch.Tensor:
+    adapter, expert, active = slots
     a = lora_a[adapter, expert].float()  # [M, topk, r, K]
     if x.dim() == 2:
         u = torch.einsum("mjrk,mk->mjr", a, x.float())
@@ -113,33 +112,37 @@ def _shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map) -> torch.Tensor
     return torch.where(active.unsqueeze(-1), u, 0.0)
 
 
-def _expand(out, u, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights) -> None:
-    L, E = lora_b.shape[:2]
-    adapter, expert, active = lora_slots(topk_ids, token_lora_mapping, L, E, expert_map)
+def _expand(out, u, lora_b, slots, topk_weights) -> None:
+    adapter, expert, active = slots
     delta = torch.einsum("mjnr,mjr->mjn", lora_b[adapter, expert].float(), u)
     if topk_weights is not None:
         delta = delta * topk_weights.unsqueeze(-1)
     out.copy_(torch.where(active.unsqueeze(-1), (out.float() + delta).to(out.dtype), out))
 
 
+def _slots(stack, topk_ids, token_lora_mapping, expert_map):
+    """``lora_slots`` for an adapter stack [L, E, rows, cols]."""
+    return lora_slots(topk_ids, token_lora_mapping, stack.shape[0], stack.shape[1], expert_map)
+
+
 def lora_shrink_torch(x, lora_a, topk_ids, token_lora_mapping, *, expert_map=None) -> torch.Tensor:
     """PyTorch implementation of lora_shrink: ``u [M, topk, r]`` fp32."""
     check_lora_shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map)
-    return _shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map)
+    return _shrink(x, lora_a, _slots(lora_a, topk_ids, token_lora_mapping, expert_map))
 
 
 def lora_expand_torch(out, u, lora_b, topk_ids, token_lora_mapping, *, expert_map=None, topk_weights=None) -> None:
     """PyTorch implementation of lora_expand (``out`` updated in place)."""
     check_lora_expand(out, u, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
-    _expand(out, u, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
+    _expand(out, u, lora_b, _slots(lora_b, topk_ids, token_lora_mapping, expert_map), topk_weights)
 
 
 def add_lora_torch(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, *, expert_map=None,
                    topk_weights=None) -> None:
     """PyTorch implementation of add_lora (``out`` updated in place)."""
     check_add_lora(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
-    u = _shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map)
-    _expand(out, u, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
+    slots = _slots(lora_a, topk_ids, token_lora_mapping, expert_map)  # computed once for both GEMMs
+    _expand(out, _shrink(x, lora_a, slots), lora_b, slots, topk_weights)
 
 
 # ----------------------------------------------------------------------------------------------------
