@@ -33,9 +33,9 @@ sorted intermediate. Configs are sanitized for MXFP4, the end-to-end timings and
 ``,quant=mxfp4`` (``table_key(..., "mxfp4")``).
 
 ``--quant mxfp4_mma``: the same MXFP4 stacks prepared into the MMA layout (``prepare_mxfp4_mma``; contiguous,
-so ``--weight-layout linear`` only, K and N multiples of 64), the sorted schedule only (the layout has no GEMV),
-its own tile lists (block_k 128; 128 or 256 weight rows per tile on 4 or 8 warps; split reductions of gemm2 for
-few row blocks); entries under ``,quant=mxfp4_mma``.
+so ``--weight-layout linear`` only, K and N multiples of 64), its own tile lists (block_k 128; 128 or 256 weight rows
+per tile on 4 or 8 warps; split reductions of gemm2 for few row blocks; the direct schedule's tensor-core GEMVs with
+their split reductions); entries under ``,quant=mxfp4_mma``.
 
 ``--quant fp8_block``: fp8 block weights (e4m3 values of about N(0, 16) with fp32 scales per 128 x 128 block;
 default model deepseek-v3). The search takes fp8's own tiles (block_k 128, 128-column outputs, at most 64
@@ -302,8 +302,17 @@ def tile_name(g) -> str:
             f"{' persistent' if g.persistent else ''}")
 
 
-def direct_candidates(heuristic):
-    """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps."""
+def direct_candidates(heuristic, quant: str = "none"):
+    """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps. MXFP4 in
+    the MMA layout (tensor-core GEMVs, 128-column steps): the split of each reduction halved and doubled, one more
+    stage, and twice the weight rows on 8 warps."""
+    if quant == "mxfp4_mma":
+        out = []
+        for g in (heuristic.gemm1, heuristic.gemm2):
+            out.append([g, dataclasses.replace(g, split_k=max(1, g.split_k // 2)),
+                        dataclasses.replace(g, split_k=2 * g.split_k), dataclasses.replace(g, num_stages=4),
+                        dataclasses.replace(g, block_n=2 * g.block_n, num_warps=8)])
+        return out
     out = []
     for g in (heuristic.gemm1, heuristic.gemm2):
         wide = dataclasses.replace(g, block_n=g.block_n * 2, block_k=max(16, g.block_k // 2))
@@ -533,19 +542,21 @@ def tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     a_ws = [torch.randn(M, topk, N, dtype=dtype, device=device) for _ in range(n)]
     outs = [torch.empty(M, K, dtype=dtype, device=device) for _ in range(n)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 132
-    g1c, g2c = direct_candidates(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant))
+    g1c, g2c = direct_candidates(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant), quant)
     best1, best2 = (math.inf, None), (math.inf, None)
     for g1 in g1c:
         g1 = sanitize(MoeConfig("direct", 0, g1, g1), dtype, N, K, topk, quant).gemm1
         t = time_us(lambda i: fe._gemv1(sets[i % n][0], w1, None, a_ws[i % n].view(M * topk, N), sets[i % n][2],
                                         None, act, None, 1.702, 7.0, g1), n)
-        print(f"    direct gemv1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages}: {t:9.1f} us")
+        print(f"    direct gemv1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages} split{g1.split_k}: "
+              f"{t:9.1f} us")
         best1 = min(best1, (t, g1), key=lambda x: x[0])
     for g2 in g2c:
         g2 = sanitize(MoeConfig("direct", 0, g2, g2), dtype, N, K, topk, quant).gemm2
         t = time_us(lambda i: fe._gemv2(a_ws[i % n], w2, None, outs[i % n], sets[i % n][2], None, sets[i % n][1],
                                         True, g2), n)
-        print(f"    direct gemv2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages}: {t:9.1f} us")
+        print(f"    direct gemv2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages} split{g2.split_k}: "
+              f"{t:9.1f} us")
         best2 = min(best2, (t, g2), key=lambda x: x[0])
     if best1[1] is None or best2[1] is None:
         return None
@@ -562,9 +573,8 @@ def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     finalists = []
-    # fp8 block: the sorted schedule only (its GEMVs lose at decode too: the NOTE in heuristic_config); the MMA
-    # layout has no GEMV
-    if quant not in ("fp8_block", "mxfp4_mma") and (use_direct(M, E, topk) or M <= 4):
+    # fp8 block: the sorted schedule only (its GEMVs lose at decode too: the NOTE in heuristic_config)
+    if quant != "fp8_block" and (use_direct(M, E, topk) or M <= 4):
         d = tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row)
         if d:
             finalists.append(d[1])

@@ -95,16 +95,23 @@ def test_cuda_graph_replays_match_eager(op, M):
 
 def _admitted_tiles():
     """One config per tile shape that ``mxfp4_mma_tiles`` admits (each as sanitize leaves it): gemm1 of 64 or 128
-    columns (128 / 256 fused rows) on 4 or 8 warps, gemm2 of 128 or 256 rows on 4 or 8 warps, split or not."""
+    columns (128 / 256 fused rows) on 4 or 8 warps, gemm2 of 128 or 256 rows on 4 or 8 warps, split or not; in the
+    sorted schedule and in the direct one (both reductions split or not)."""
     g1s = [GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3), GemmConfig(128, 128, 8, 3)]
     g2s = [GemmConfig(128, 128, 4, 3), GemmConfig(256, 128, 4, 3), GemmConfig(256, 128, 8, 3),
            GemmConfig(128, 128, 4, 3, split_k=2)]
-    return [MoeConfig("sorted", bm, g1, g2) for bm in (16, 64) for g1, g2 in zip(g1s + g1s[:1], g2s)]
+    direct = [(GemmConfig(64, 128, 4, 3, group_m=0), GemmConfig(128, 128, 4, 3, group_m=0)),
+              (GemmConfig(64, 128, 4, 4, group_m=0, split_k=3), GemmConfig(128, 128, 4, 4, group_m=0, split_k=2)),
+              (GemmConfig(128, 128, 8, 3, group_m=0, split_k=2), GemmConfig(256, 128, 8, 3, group_m=0, split_k=2)),
+              (GemmConfig(128, 128, 4, 3, group_m=0, split_k=4), GemmConfig(256, 128, 4, 3, group_m=0, split_k=2))]
+    return ([MoeConfig("sorted", bm, g1, g2) for bm in (16, 64) for g1, g2 in zip(g1s + g1s[:1], g2s)]
+            + [MoeConfig("direct", 0, g1, g2) for g1, g2 in direct])
 
 
 @cuda
-@pytest.mark.parametrize("cfg", _admitted_tiles(), ids=lambda c: f"bm{c.block_m}-g1_{c.gemm1.block_n}w"
-                         f"{c.gemm1.num_warps}-g2_{c.gemm2.block_n}w{c.gemm2.num_warps}s{c.gemm2.split_k}")
+@pytest.mark.parametrize("cfg", _admitted_tiles(), ids=lambda c: f"{c.path}-bm{c.block_m}-g1_{c.gemm1.block_n}w"
+                         f"{c.gemm1.num_warps}s{c.gemm1.split_k}-g2_{c.gemm2.block_n}w{c.gemm2.num_warps}"
+                         f"s{c.gemm2.split_k}")
 @pytest.mark.parametrize("act", ["swigluoai", "swiglustep"])
 def test_every_admitted_tile(cfg, act):
     """Every tile shape the MMA layout's rule admits, fused (interleaved and split gate/up rows) and unfused

@@ -125,7 +125,12 @@ def test_opcheck_fused_experts_mma():
 SORTED = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2))
 SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(128, 128, 8, 2, tail_m=16), GemmConfig(256, 128, 8, 2, tail_m=16))
 SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2, split_k=2))
-CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT}
+# The direct schedule (``_gemv_dot``): whole reductions, and both reductions split (partials + last-program sum).
+DIRECT = MoeConfig("direct", 0, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2, group_m=0))
+DIRECT_SPLIT = MoeConfig("direct", 0, GemmConfig(64, 128, 4, 2, group_m=0, split_k=2),
+                         GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
+CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "direct": DIRECT,
+           "direct_split": DIRECT_SPLIT}
 
 
 def checked_config(name, dtype, N, K, topk) -> MoeConfig:
@@ -140,6 +145,9 @@ FUSED_CASES = [
     ("sorted_tail", "gelu", torch.float32, 48, 3, 5, 128, 64, dict(emap=True)),
     ("sorted_tail", "gelu_tanh", torch.float16, 36, 3, 5, 64, 192, dict(bias=True)),
     ("sorted_split", "swiglustep", torch.float32, 10, 4, 5, 64, 256, dict(on_input=True, emap=True)),
+    ("direct", "silu", torch.float16, 7, 2, 6, 128, 64, dict(bias=True, on_input=True, emap=True)),
+    ("direct_split", "swigluoai", torch.float32, 6, 3, 5, 192, 256, dict(bias=True)),
+    ("direct_split", "gelu", torch.float32, 9, 1, 5, 256, 192, dict(emap=True)),
 ]
 
 
@@ -171,13 +179,14 @@ def test_fused_experts_matches_torch(poisoned, case):
 
 @interpreted
 @pytest.mark.parametrize("on_input", [False, True])
-def test_expert_gemms_match_torch(on_input):
+@pytest.mark.parametrize("schedule", ["sorted", "direct_split"])
+def test_expert_gemms_match_torch(on_input, schedule):
     M, topk, E, K, N = 11, 2, 4, 128, 64
     (w1, s1, w2, s2, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(E, K, N, bias=True, seed=7)
     g, ids, emap = routing(M, topk, E, emap=True, seed=2)
     g = g.nan_to_num(0.0)
     x = torch.randn(M, K)
-    cfg = CONFIGS["sorted"]
+    cfg = CONFIGS[schedule]
     h = expert_gemm1_triton(x, q1, ids, w1_bias=b1, expert_map=emap, topk_weights=g if on_input else None,
                             quant="mxfp4_mma", w1_scale=t1, config=cfg)
     h_ref = expert_gemm1_torch(x, w1, ids, w1_bias=b1, expert_map=emap, topk_weights=g if on_input else None,
@@ -192,13 +201,14 @@ def test_expert_gemms_match_torch(on_input):
 
 @interpreted
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
-def test_nan_scale_stays_in_its_block():
+@pytest.mark.parametrize("schedule", ["sorted", "direct"])
+def test_nan_scale_stays_in_its_block(schedule):
     """A NaN scale (255) in w1 row 3 makes exactly that output column NaN for the tokens routed to expert 0."""
     M, E, K, N = 6, 2, 64, 64
     (w1, s1, _, _, _, _), (q1, t1, _, _, _, _) = mma_experts(E, K, N, nan_group=True)
     ids = torch.tensor([[0], [1], [0], [1], [0], [1]], dtype=torch.int32)
     x = torch.randn(M, K)
-    h = expert_gemm1_triton(x, q1, ids, quant="mxfp4_mma", w1_scale=t1, config=CONFIGS["sorted"])
+    h = expert_gemm1_triton(x, q1, ids, quant="mxfp4_mma", w1_scale=t1, config=CONFIGS[schedule])
     nan = h.isnan()
     assert nan[ids[:, 0] == 0, 0, 3].all() and nan.sum() == (ids == 0).sum()
     ref = expert_gemm1_torch(x, w1, ids, quant="mxfp4", w1_scale=s1)
@@ -206,7 +216,8 @@ def test_nan_scale_stays_in_its_block():
 
 
 @interpreted
-def test_scales_across_the_layouts_range():
+@pytest.mark.parametrize("schedule", ["sorted_split", "direct_split"])
+def test_scales_across_the_layouts_range(schedule):
     """Rows whose scales span E8M0 bytes 22 .. MMA_MAX_SCALE (2^-105 .. 2^21): every output column (one weight row)
     within FP32_TOL of the PyTorch path, for the unfused gemm1 and gemm2 (the kernels' bf16 factors and the
     accumulator's 2^MMA_EXCESS)."""
@@ -217,7 +228,7 @@ def test_scales_across_the_layouts_range():
     (q1, t1), (q2, t2) = prepare_mxfp4_mma(w1, s1), prepare_mxfp4_mma(w2, s2)
     g, ids, _ = routing(7, 2, 2, seed=3)
     x, a = torch.randn(7, 128), torch.randn(7, 2, 64)
-    cfg = CONFIGS["sorted_split"]
+    cfg = CONFIGS[schedule]
     h = expert_gemm1_triton(x, q1, ids, quant="mxfp4_mma", w1_scale=t1, config=cfg)
     h_ref = expert_gemm1_torch(x, w1, ids, quant="mxfp4", w1_scale=s1)
     y = expert_gemm2_triton(a, q2, ids, quant="mxfp4_mma", w2_scale=t2, config=cfg)
@@ -229,23 +240,35 @@ def test_scales_across_the_layouts_range():
         assert err.max() <= FP32_TOL, err
 
 
-def test_direct_schedule_is_refused():
-    with pytest.raises(ValueError, match="sorted schedule only"):
-        configs.sanitize(MoeConfig("direct", 0, GemmConfig(32, 64, 4, 2), GemmConfig(32, 64, 4, 2)), torch.float32,
-                         64, 64, 2, quant="mxfp4_mma")
+def test_direct_schedule_takes_the_layouts_tiles():
+    """A direct config is clamped to the MMA tiles (128-column steps, at least 128 weight rows, power-of-two
+    tiles) and to splits that each get a step."""
+    cfg = configs.sanitize(MoeConfig("direct", 0, GemmConfig(32, 64, 4, 2, split_k=8), GemmConfig(96, 64, 8, 2,
+                                                                                                  split_k=3)),
+                           torch.float32, 256, 192, 2, quant="mxfp4_mma")
+    assert cfg.path == "direct"
+    assert (cfg.gemm1.block_n, cfg.gemm1.block_k, cfg.gemm1.num_warps, cfg.gemm1.split_k) == (64, 128, 4, 2)
+    assert (cfg.gemm2.block_n, cfg.gemm2.block_k, cfg.gemm2.num_warps, cfg.gemm2.split_k) == (128, 128, 4, 2)
+    assert configs.sanitize(cfg, torch.float32, 256, 192, 2, quant="mxfp4_mma") == cfg
 
 
-def test_heuristic_runs_sorted_at_decode():
-    cfg = configs.sanitize(configs.heuristic_config(1, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132,
-                                                    "mxfp4_mma"), torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
-    assert cfg.path == "sorted" and cfg.gemm1.block_k % 64 == 0 and cfg.gemm2.block_k % 64 == 0
+@pytest.mark.parametrize("M, path", [(1, "direct"), (4, "direct"), (16, "sorted")])
+def test_heuristic_runs_direct_at_decode(M, path):
+    """gpt-oss-120b (E 128, topk 4): the direct schedule while pairs rarely share an expert, both reductions split
+    at M = 1 (180 / 92 tiles of 128 rows: fewer than two per SM of 132)."""
+    raw = configs.heuristic_config(M, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132, "mxfp4_mma")
+    cfg = configs.sanitize(raw, torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
+    assert cfg == raw and cfg.path == path
+    assert cfg.gemm1.block_k % 64 == 0 and cfg.gemm2.block_k % 64 == 0
     assert math.gcd(2 * cfg.gemm1.block_n, 16) == 16
+    if M == 1:
+        assert cfg.gemm1.split_k > 1 and cfg.gemm2.split_k > 1
 
 
 @pytest.mark.parametrize("M", [1, 16, 256, 4096])
 def test_heuristic_tiles_are_admitted(M):
     """The heuristic's tiles are ones ``mxfp4_mma_tiles`` admits unchanged (the tiles the GPU suite checks), and the
-    decode cell splits gemm2's reduction while a 4096-token batch does not."""
+    decode cells split gemm2's reduction while a 4096-token batch does not."""
     raw = configs.heuristic_config(M, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132, "mxfp4_mma")
     cfg = configs.sanitize(raw, torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
     assert (cfg.gemm1, cfg.gemm2) == (raw.gemm1, raw.gemm2)

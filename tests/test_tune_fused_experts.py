@@ -262,7 +262,8 @@ def test_run_writes_the_key_of_the_format(fake_gpu, monkeypatch, tmp_path, capsy
 
 def test_mxfp4_direct_path(fake_gpu, monkeypatch):
     """The GEMVs of the direct path on MXFP4 operands (one wide tile each, sanitized for MXFP4)."""
-    monkeypatch.setattr(tune, "direct_candidates", lambda heur: ([GemmConfig(64, 32, 4, 4)], [GemmConfig(8, 64, 4, 4)]))
+    monkeypatch.setattr(tune, "direct_candidates",
+                        lambda heur, quant: ([GemmConfig(64, 32, 4, 4)], [GemmConfig(8, 64, 4, 4)]))
     E, topk, K, N, M = 4, 2, 64, 64, 1
     torch.manual_seed(0)
     w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear")
@@ -270,6 +271,40 @@ def test_mxfp4_direct_path(fake_gpu, monkeypatch):
     t, cfg = tune.tune_direct(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
     assert t == 20.0 and cfg.path == "direct" and len(fake_gpu) == 2
     assert sanitize(cfg, torch.bfloat16, N, K, topk, "mxfp4") == cfg
+    x, g, ids = sets[0]
+    d1, d2, kw = tune.fused_call_args(w1, w2)
+    out = fused_experts_triton(x, d1, d2, g, ids, tune.ACTIVATION, config=cfg, **kw)
+    ref = fused_experts_torch(x, d1, d2, g, ids, tune.ACTIVATION, **kw).cpu()
+    assert_close(out, ref, tolerance(torch.bfloat16, DEVICE))
+
+
+def test_mxfp4_mma_direct_candidates():
+    """The MMA layout's direct candidates: the heuristic's GEMVs first, split reductions halved and doubled, one more
+    stage, 256 rows on 8 warps; each as sanitize leaves it (the tiles the GPU suite checks)."""
+    from moe_extension.kernels._configs import heuristic_config
+
+    heur = heuristic_config(1, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132, "mxfp4_mma")
+    g1s, g2s = tune.direct_candidates(heur, "mxfp4_mma")
+    for gs, first, which in ((g1s, heur.gemm1, "gemm1"), (g2s, heur.gemm2, "gemm2")):
+        assert gs[0] == first and len(set(gs)) == len(gs)
+        assert {g.split_k for g in gs} >= {first.split_k // 2, first.split_k, 2 * first.split_k}
+        assert any(g.num_warps == 8 and g.block_n == 2 * first.block_n for g in gs)
+        for g in gs:
+            cfg = sanitize(MoeConfig("direct", 0, g, g), torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
+            assert getattr(cfg, which) == g
+
+
+def test_mxfp4_mma_direct_path(fake_gpu, monkeypatch):
+    """The tensor-core GEMVs of the MMA layout's direct path, tuned (one split tile each) and checked."""
+    monkeypatch.setattr(tune, "direct_candidates", lambda heur, quant: (
+        [GemmConfig(64, 128, 4, 2, group_m=0, split_k=2)], [GemmConfig(128, 128, 4, 2, group_m=0, split_k=2)]))
+    E, topk, K, N, M = 4, 2, 256, 256, 1
+    torch.manual_seed(0)
+    w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear", "mxfp4_mma")
+    sets = tune.make_sets(E, topk, K, M, torch.bfloat16, 2)
+    t, cfg = tune.tune_direct(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
+    assert t == 20.0 and cfg.path == "direct" and len(fake_gpu) == 2
+    assert sanitize(cfg, torch.bfloat16, N, K, topk, "mxfp4_mma") == cfg
     x, g, ids = sets[0]
     d1, d2, kw = tune.fused_call_args(w1, w2)
     out = fused_experts_triton(x, d1, d2, g, ids, tune.ACTIVATION, config=cfg, **kw)

@@ -184,6 +184,8 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # NOTE: fp8 block always takes the sorted schedule (16-row tensor-core tiles): its GEMVs dequantize every
     # weight in fp32. DeepSeek-V3 layer on the H100, M = 1: direct 180.8 us, sorted 150.2; M = 4: 656.6 against
     # 499.3; its 32-expert shard at M = 1: 204.9 against 62.2 (bench_fused_experts_fp8.py --tokens 1 4).
+    if quant == "mxfp4_mma" and use_direct(M, E, topk):
+        return mxfp4_mma_direct(P, N, K, num_sms)
     if use_direct(M, E, topk) and quant not in ("fp8_block", "mxfp4_mma"):
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
@@ -257,8 +259,8 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     """MXFP4 in the MMA layout (tensor-core steps only; the weight tile is the MMA's M, the block's tokens its N);
     ``blocks``: the expected row blocks of the sorted schedule.
     NOTE: 128 weight rows on 4 warps per tile in both GEMMs (the fused gemm1's 64 columns of gate and up;
-    gemm2's 128 output columns): the tuner's best at every M of gpt-oss-120b and -20b on the H100 but M = 1,
-    where 256 rows on 8 warps won by 10% (120b: 50.0 against 55.4 us). The 256-row tiles on 8 warps this
+    gemm2's 128 output columns): the tuner's best at every M of gpt-oss-120b and -20b on the H100 that runs this
+    schedule (M = 1 runs the direct one, ``mxfp4_mma_direct``). The 256-row tiles on 8 warps this
     rule replaced were 10-29% slower end to end (120b: M 16 308 against 269 us; ``python
     benchmarks/tune_fused_experts.py --quant mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with
     tail tiles (gemm1 32, gemm2 16 rows) and pointer loads of gemm2's rows: the tuner's choice at 128 and 512
@@ -276,6 +278,28 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     g2 = dataclasses.replace(g2, block_n=bn2, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
                              split_k=split, tail_m=16 if wide else g2.tail_m, tma_a=g2.tma_a and not wide)
     return g1, g2
+
+
+def mxfp4_mma_direct(P: int, N: int, K: int, num_sms: int) -> MoeConfig:
+    """The direct schedule of MXFP4 in the MMA layout (``_gemv_dot``: no routing, per-pair tensor-core GEMVs): 128
+    weight rows on 4 warps per tile (gemm1: 64 columns of gate and up), each reduction split until there are two
+    programs per SM.
+    NOTE: H100, gpt-oss-120b M = 1, the tuner's direct candidates (``python benchmarks/tune_fused_experts.py --quant
+    mxfp4_mma --tokens 1``): gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1); gemv2
+    split 4 15.5 us (split 2 16.7, split 8 18.7, 256 rows on 8 warps 19.4); end to end 36.8 us against 48.9 for the
+    best sorted config (route 4.9 + gemm1 24.8 + gemm2 and slot sum 18.6)."""
+
+    def split(tiles: int, reduction: int) -> int:
+        s = 1
+        while tiles * s < 2 * num_sms and reduction >= 2 * s * 128:
+            s *= 2
+        return s
+
+    g1 = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, group_m=0,
+                    split_k=split(P * math.ceil(N / 64), K))
+    g2 = GemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, group_m=0,
+                    split_k=split(P * math.ceil(K / 128), N))
+    return MoeConfig("direct", 0, g1, g2)
 
 
 def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms, tile=None) -> MoeConfig:
@@ -361,7 +385,13 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / 128))))
         return MoeConfig("sorted", bm, g1, g2)
     if quant == "mxfp4_mma":
-        raise ValueError("config: quant='mxfp4_mma' runs the sorted schedule only, got path 'direct'")
+        # The direct tensor-core GEMVs (``_gemv_dot``): the sorted tiles' rule with 16 A rows, splits of whole steps.
+        g1, g2 = (mxfp4_mma_tiles(dataclasses.replace(g, block_n=min(cap, triton_next_pow2(g.block_n)), tail_m=0,
+                                                      tma_a=False), mult, 16, a_esize)
+                  for g, mult, cap in ((g1, 2, 128), (g2, 1, 256)))
+        g1 = dataclasses.replace(g1, split_k=max(1, min(g1.split_k, math.ceil(K / g1.block_k))))
+        g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
+        return MoeConfig("direct", 0, g1, g2)
     g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False, persistent=False), 0, 2, 1, esize)
     g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False, persistent=False), 0,
               triton_next_pow2(topk), 1, esize)

@@ -103,6 +103,45 @@ def activate(gate, up, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
+def gemm1_weight_rows(n0, N_OUT, N_HALF, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight rows of gemm1's output tile at columns n0..: without an activation the BLOCK_N output rows;
+    swigluoai the 2 * BLOCK_N interleaved rows from 2 n0; the halves activations BLOCK_N gate rows from n0 stacked
+    on the BLOCK_N up rows from N + n0. Rows wrap modulo their range (loads in bounds; the columns they feed are not
+    stored)."""
+    if ACT == 0:
+        wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
+    elif ACT == 4:
+        wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
+    else:
+        c = tl.arange(0, 2 * BLOCK_N)
+        wr = (c // BLOCK_N) * N_HALF + (n0 + c % BLOCK_N) % N_HALF
+    return wr
+
+
+@triton.jit
+def gemm1_epilogue(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha, limit,
+                   ACT: tl.constexpr, G_ON_A: tl.constexpr, BLOCK_N: tl.constexpr):
+    """gemm1's output tile [BM, BLOCK_N] (fp32) from the sums ``acc`` [BM, W_ROWS] of its weight rows ``wr``
+    (``gemm1_weight_rows``): times the router weights ``g`` [BM] unless G_ON_A (W (g x) + b = g (W x) + b), plus
+    the bias, then the activation of the gate and up halves."""
+    BM: tl.constexpr = acc.shape[0]
+    if not G_ON_A:
+        acc = acc * g[:, None]
+    b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)  # above every row index when on, 0 when off
+    acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
+                   other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:
+        result = acc
+    elif ACT == 4:
+        gate, up = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
+        result = activate(gate, up, alpha, limit, ACT)
+    else:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BLOCK_N)), (0, 2, 1)))
+        result = activate(gate, up, alpha, limit, ACT)
+    return result
+
+
+@triton.jit
 def _tile(pid, num_blocks_m, num_tiles_n, block_expert_ptr, counts_ptr, starts_ptr, BLOCK_M: tl.constexpr,
           GROUP_M: tl.constexpr):
     """(expert, row block, N tile) of program ``pid``; expert -1 for programs past the used blocks.
@@ -161,22 +200,14 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     token = tl.where(row_ok, pair // topk, 0)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    # One weight tile of W_ROWS rows per step, one dot: without an activation the BLOCK_N output rows;
-    # swigluoai the 2 * BLOCK_N interleaved rows from 2 n0; the halves activations BLOCK_N gate rows from n0
-    # stacked on the BLOCK_N up rows from N + n0. Pointer loads wrap rows modulo their range (in bounds, no
-    # mask), TMA loads read rows past the end as 0; the columns they feed are not stored.
+    # One weight tile of W_ROWS rows (``gemm1_weight_rows``) per step, one dot. Pointer loads wrap rows modulo
+    # their range (in bounds, no mask), TMA loads read rows past the end as 0; the columns they feed are not stored.
     # NOTE: the halves activations' one [BM, 2 BLOCK_N] dot (it was a gate and an up dot of [BM, BLOCK_N],
     # each reading the A tile) took gemm1 (silu, H100, eager) 448.5 -> 436.3 us at qwen3 M = 4096,
     # 2838 -> 2770 us at mixtral M = 4096 and 861 -> 838 us at mixtral M = 1024
     # (benchmarks/results/ab_silu_stacked_h100.txt); the outputs stayed bitwise equal.
     W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
-    if ACT == 0:
-        wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
-    elif ACT == 4:
-        wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
-    else:
-        c = tl.arange(0, 2 * BLOCK_N)
-        wr = (c // BLOCK_N) * N_HALF + (n0 + c % BLOCK_N) % N_HALF
+    wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N)
     e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
                                  scale_rows(e64, wr64, stride_se, stride_sn, WFMT), 0, stride_wk, stride_sk, BLOCK_K,
@@ -217,19 +248,8 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
     acc = acc_finish(acc, WFMT)
 
-    if not G_ON_A:
-        acc = acc * g[:, None]  # W (g x) + b = g (W x) + b
-    b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)  # above every row index when on, 0 when off
-    acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
-                   other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:
-        result = acc
-    elif ACT == 4:
-        gate, up = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
-        result = activate(gate, up, alpha, limit, ACT)
-    else:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BLOCK_N)), (0, 2, 1)))
-        result = activate(gate, up, alpha, limit, ACT)
+    result = gemm1_epilogue(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha, limit,
+                            ACT, G_ON_A, BLOCK_N)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < N_OUT)[None, :]

@@ -32,7 +32,8 @@ schedules; what differs between weight formats is only this plug, selected by th
   which leaves the weights times 2^-MMA_EXCESS; ``acc_finish`` scales the accumulator back), and the dot runs
   transposed, ``acc^T += W a^T``: the decoded weights are the register
   operand, the activations the shared-memory one, so nothing decoded goes through shared memory and the
-  tokens of a block are the MMA's N (16 rows suffice). Tensor-core steps only (the sorted schedule).
+  tokens of a block are the MMA's N (16 rows suffice). Tensor-core steps only (the sorted schedule, and the
+  direct schedule's GEMVs of ``_gemv_dot``, whose one activation row is row 0 of a 16-row tile).
 
 Each format provides the device functions every kernel calls at the same places: ``scale_rows`` (the scale
 offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
@@ -552,8 +553,8 @@ def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
     (MXFP4: the even and the odd columns into the same BLOCK_K / 2 columns of acc; fp8 block: ``x`` quantized per
     128 columns, both operands dequantized). ``x`` is [BLOCK_K] (one row for all
     the tile's rows) or [S, BLOCK_K] (one per leading index of a 3-D tile); ``k_left`` as in ``dot_step`` (a
-    scalar or per leading index, [S, 1, 1]). Not for the MMA layout (tensor-core steps only)."""
-    tl.static_assert(WFMT != 3, "MXFP4 in the MMA layout runs the sorted schedule only")
+    scalar or per leading index, [S, 1, 1]). Not for the MMA layout (tensor-core steps only: ``_gemv_dot``)."""
+    tl.static_assert(WFMT != 3, "MXFP4 in the MMA layout multiplies in tensor-core steps only (_gemv_dot)")
     if WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         x_ev, x_od = _even_odd(_as_bf16(x, PTX).to(tl.float32))

@@ -11,7 +11,9 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
 (see ``_configs``), with P = M * topk pairs:
 - direct (decode: M = 1, or P * 8 <= E): 2 launches. ``gemv1`` (+ activation), grid
   (cdiv(N, BN), P) -> ``a [P, N]``; ``gemv2`` over each token's slots (the topk sum fused, fixed order),
-  grid (cdiv(K, BN), M) -> ``out [M, K]``.
+  grid (cdiv(K, BN), M) -> ``out [M, K]``. MXFP4 in the MMA layout multiplies in tensor-core steps
+  (``_gemv_dot``): grids (tiles, P, splits of the reduction), 3 launches (one zeroes the counters that let
+  the last program of an output tile sum the partials and the slots in a fixed order).
 - sorted: 4 launches (6 when P > 128: the routing takes three; one more when gemm1 copies its token rows
   into sorted order for TMA loads, ``tma_a``). ``route`` -> ``gemm1`` (+ activation),
   grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
@@ -54,7 +56,8 @@ from moe_extension.kernels._launch import (device_guard, pdl_capable, pdl_option
                                            tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
-from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WeightOperand
+from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
+from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WFMT_MXFP4_MMA, WeightOperand
 
 
 def _dot_precision(dtype: torch.dtype, w: WeightOperand | None = None) -> str:
@@ -197,10 +200,16 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     return rows, rows_scale
 
 
+def split_reduction(N: int, cfg: GemmConfig) -> tuple[int, int]:
+    """(non-empty splits, columns per split) of the reduction dim N: cfg.split_k splits of whole BLOCK_K steps,
+    fewer when the steps run out."""
+    per_split = triton.cdiv(triton.cdiv(N, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
+    return triton.cdiv(N, per_split), per_split
+
+
 def effective_splits(N: int, cfg: GemmConfig) -> int:
     """Non-empty splits of the reduction dim N when each split takes whole BLOCK_K steps."""
-    per_split = triton.cdiv(triton.cdiv(N, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
-    return triton.cdiv(N, per_split)
+    return split_reduction(N, cfg)[0]
 
 
 def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False,
@@ -288,13 +297,51 @@ def _sum_slots(y, inverse, out, topk, pdl: bool = False):
     )
 
 
-def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig):
-    """Rows p of out [P, n_out] for the valid pairs (direct path)."""
+def _gemv1_dot_counters(P: int, n_out: int, K: int, cfg: GemmConfig) -> int:
+    """The int32 counters ``gemv1_dot_kernel`` needs (0: none, its reduction is not split)."""
+    return P * triton.cdiv(n_out, cfg.block_n) if split_reduction(K, cfg)[0] > 1 else 0
+
+
+def _gemv2_dot_counters(M: int, topk: int, K: int, N: int, cfg: GemmConfig, sum_slots: bool) -> int:
+    """The int32 counters ``gemv2_dot_kernel`` needs (0: none, one program per output tile)."""
+    groups = M if sum_slots else M * topk
+    arrivals = (topk if sum_slots else 1) * split_reduction(N, cfg)[0]
+    return groups * triton.cdiv(K, cfg.block_n) if arrivals > 1 else 0
+
+
+def _zeroed_counters(n: int, device) -> torch.Tensor:
+    return torch.zeros((max(1, n),), dtype=torch.int32, device=device)
+
+
+def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None):
+    """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (MXFP4 in the MMA layout):
+    ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here)."""
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
     M, topk = topk_ids.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     has_map = expert_map is not None
+    if w1.fmt == WFMT_MXFP4_MMA:
+        tiles = triton.cdiv(n_out, cfg.block_n)
+        splits, per_split = split_reduction(K, cfg)
+        w_rows = cfg.block_n if act == kern.ACT_NONE else 2 * cfg.block_n
+        part = torch.empty((splits, M * topk, tiles, w_rows) if splits > 1 else (1,), dtype=torch.float32,
+                           device=x.device)
+        cnt = counters if counters is not None else _zeroed_counters(_gemv1_dot_counters(M * topk, n_out, K, cfg),
+                                                                     x.device)
+        gemv1_dot_kernel[(tiles, M * topk, splits)](
+            x, w1.w, w1.scale, bias if bias is not None else out, out, part, cnt,
+            weights if weights is not None else out,
+            topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
+            M * topk, topk, n_out, two_n // 2, K, per_split, int(has_map), int(bias is not None),
+            int(weights is not None), x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
+            out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+            _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
+            ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
+            G_ON_A=weights is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
     grid = (triton.cdiv(n_out, cfg.block_n), M * topk)
     kern.gemv1_kernel[grid](
         x, w1.w, w1.scale, bias if bias is not None else out, out, weights if weights is not None else out,
@@ -309,8 +356,9 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
     )
 
 
-def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig):
-    """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]."""
+def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, counters=None):
+    """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]. ``counters``: as in
+    ``_gemv1`` (``_gemv2_dot_counters``)."""
     w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
     M, topk = topk_ids.shape
@@ -322,6 +370,26 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
     # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
     # per program streams a SLOTS times wider tile instead, the same bytes per step.
     slots = triton.next_power_of_2(topk) if sum_slots else 1
+    if w2.fmt == WFMT_MXFP4_MMA:
+        tiles = triton.cdiv(K, cfg.block_n)
+        splits, per_split = split_reduction(N, cfg)
+        nslot = topk if sum_slots else 1
+        part = torch.empty((splits, M * topk, tiles, cfg.block_n) if nslot * splits > 1 else (1,), dtype=torch.float32,
+                           device=a.device)
+        cnt = counters if counters is not None else _zeroed_counters(
+            _gemv2_dot_counters(M, topk, K, N, cfg, sum_slots), a.device)
+        gemv2_dot_kernel[(tiles, M * topk, splits)](
+            a, w2.w, w2.scale, bias if bias is not None else out, out, part, cnt,
+            weights if weights is not None else out, topk_ids, expert_map if has_map else topk_ids,
+            expert_map.numel() if has_map else E, E, M * topk, topk, nslot, K, N, per_split, int(has_map),
+            int(bias is not None), int(weights is not None), a.stride(0), a.stride(1), a.stride(2), *w2.strides,
+            _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on, topk_ids.stride(0),
+            topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1),
+            SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return
     block_n = cfg.block_n if sum_slots else cfg.block_n * triton.next_power_of_2(topk)
     grid = (triton.cdiv(K, block_n), M if sum_slots else M * topk)
     kern.gemv2_kernel[grid](
@@ -370,9 +438,14 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     with device_guard(dev):
         if cfg.path == "direct":
             a = torch.empty((M, topk, N), dtype=torch.float32 if fp8 else dtype, device=dev)
+            c1 = c2 = None
+            if w1.fmt == WFMT_MXFP4_MMA:  # one zeroing launch for both GEMVs' counters
+                n1 = _gemv1_dot_counters(M * topk, N, K, cfg.gemm1)
+                c1 = _zeroed_counters(n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True), dev)
+                c2 = c1[n1:] if c1.numel() > n1 else c1
             _gemv1(hidden_states, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
-                   cfg.gemm1)
-            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2)
+                   cfg.gemm1, c1)
+            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2)
             return out
         x, x_scale, a_scale = hidden_states, None, None
         if fp8 and w_in is None and not gathers_rows(hidden_states, cfg.gemm1, quantize=True):

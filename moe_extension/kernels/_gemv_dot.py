@@ -1,0 +1,180 @@
+"""Direct (per-pair, no routing) expert GEMVs with tensor-core steps and a split reduction: the decode schedule of
+the weight formats whose tiles only go through tensor cores (MXFP4 in the MMA layout, ``WFMT_MXFP4_MMA``).
+
+Pairs ``p = t * topk + j`` of token ``t`` and slot ``j``; ``e`` = local expert of the slot (``_routing.local_expert``);
+weights ``[E, out, in]`` in the format ``WFMT`` (``_weight_formats``). A program multiplies one tile of weight rows
+by one activation row over one split of the reduction: ``dot_step`` with the row as row 0 of a 16-row A tile (the
+MMA's N; the other rows are zeros), so the weights are decoded exactly as in the sorted kernels.
+
+- ``gemv1_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): x[t] times the rows of gemm1's output tile (2 BLOCK_N
+  rows with a gated activation, stacked as in ``_grouped_gemm._gemm1_block``) -> ``a[p, tile]`` with gemm1's
+  epilogue (router weight or not, bias, activation). Programs of invalid pairs exit (their rows untouched).
+- ``gemv2_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): W2[e] rows times a[t, j] -> ``out[t, tile]`` summed
+  over the token's slots in slot order (SUM_SLOTS; a token without valid slots gets 0), or ``out[t, j, tile]`` per
+  pair (rows of invalid pairs untouched), with bias and router weight as gemm2.
+
+Split reduction: with SPLIT > 1 (gemv2: or more than one slot per output tile), each program stores its fp32 partial
+sum in ``part``, then increments its output tile's counter in ``cnt`` (int32, zeroed by the caller; release: its
+stores come first); the program that brings the counter to the number of programs of the tile (acquire) reads the
+partials back in split (and slot) order and runs the epilogue. Whichever program counts last, the sums are the same:
+bitwise reproducible, no float atomics, no host sync, every size from shapes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, gemm1_epilogue, gemm1_weight_rows
+from moe_extension.kernels._routing import local_expert
+from moe_extension.kernels._weight_formats import acc_finish, dot_step, scale_rows, weight_advance, weight_ptrs
+
+
+@triton.jit
+def _rows_times_row(x_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, stride_xk, stride_we, stride_wn, stride_wk,
+                    stride_se, stride_sn, stride_sk, W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr, G_ON_A: tl.constexpr):
+    """[W_ROWS] fp32: sum over k0 <= k < k_end of W[e, wr, k] * x[k] (x = the row at ``x_row``, times ``g`` first
+    with G_ON_A), in tensor-core steps of BLOCK_K columns (k0 a multiple of BLOCK_K)."""
+    r16 = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
+                                 scale_rows(e64, wr64, stride_se, stride_sn, WFMT), k0, stride_wk, stride_sk, BLOCK_K,
+                                 WFMT, True)
+    # The row as row 0 of a 16-row tile loaded like any dot operand (rows 1.. masked: zeros, nothing read), which
+    # Triton pipelines into shared memory with the weight tiles.
+    # NOTE: a plain load of the row per step (not pipelined, its latency in every step) took the GEMVs 24.6 and
+    # 16.4 us at gpt-oss-120b M = 1 on the H100, this form 20.9 and 15.1 (torch.profiler kernel times of eager
+    # calls, measured by replacing the load; 128-row tiles on 4 warps, splits 2 and 4).
+    acc = tl.zeros([16, W_ROWS], dtype=tl.float32)
+    for kk in range(0, tl.cdiv(k_end - k0, BLOCK_K)):
+        k_left = k_end - k0 - kk * BLOCK_K
+        x_ptrs = x_row + (k0 + kk * BLOCK_K + offs_k)[None, :] * stride_xk + r16[:, None] * 0
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=(r16 == 0)[:, None], other=0.0)
+        else:
+            a = tl.load(x_ptrs, mask=(r16 == 0)[:, None] & (offs_k < k_left)[None, :], other=0.0)
+        if G_ON_A:
+            a = a.to(tl.float32) * g[:, None]
+        acc = dot_step(acc, a, a, w_ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, False)
+        w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
+    acc = acc_finish(acc, WFMT)
+    # rows 1.. multiplied zeros: only row 0 is kept (a NaN weight must not reach it through them)
+    return tl.sum(tl.where((r16 == 0)[:, None], acc, 0.0), axis=0)
+
+
+@triton.jit
+def _arrive(cnt_ptr, expected):
+    """After this program's partial stores: count it in ``cnt_ptr`` (acq_rel, gpu scope); True for the program that
+    completes the count (the others' partials are then visible to it)."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == expected - 1
+
+
+@triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
+                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
+def gemv1_dot_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    P, topk, N_OUT, N_HALF, K, k_per_split, has_map, has_bias, router_on_input,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
+    stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr,
+):
+    """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
+    [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``."""
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    s = tl.program_id(2)
+    expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    if not valid:
+        return
+    t = p // topk
+    n0 = pid_n * BLOCK_N
+    W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
+    wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N)
+    zero = tl.zeros([1], dtype=tl.int32)
+    g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk + zero,
+                mask=zero + router_on_input != 0, other=1.0).to(tl.float32)
+    k0 = s * k_per_split
+    h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, w_ptr, ws_ptr, expert.to(tl.int64), wr.to(tl.int64), g,
+                        k0, tl.minimum(K, k0 + k_per_split), stride_xk, stride_we, stride_wn, stride_wk, stride_se,
+                        stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC, G_ON_A)
+    if SPLIT > 1:
+        tiles = tl.num_programs(0)
+        tile = p * tiles + pid_n
+        c = tl.arange(0, W_ROWS)
+        tl.store(part_ptr + (s * P * tiles + tile).to(tl.int64) * W_ROWS + c, h)
+        if not _arrive(cnt_ptr + tile, SPLIT):
+            return
+        h = tl.zeros([W_ROWS], dtype=tl.float32)
+        for ss in range(SPLIT):
+            h += tl.load(part_ptr + (ss * P * tiles + tile).to(tl.int64) * W_ROWS + c, cache_modifier=".cg")
+    result = gemm1_epilogue(h[None, :], g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha,
+                            limit, ACT, G_ON_A, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on,
+             tl.reshape(result, (BLOCK_N,)).to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)
+
+
+@triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "nslot", "has_map", "has_bias", "apply_weight",
+                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
+def gemv2_dot_kernel(
+    a_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    P, topk, nslot, N_OUT, K, k_per_split, has_map, has_bias, apply_weight,
+    stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
+    SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
+):
+    """out of gemm2 (module docstring): nslot = topk (SUM_SLOTS) or 1, SLOTS >= nslot a power of two; ``part``
+    [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1."""
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    s = tl.program_id(2)
+    t = p // topk
+    j = p - t * topk
+    expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    if not SUM_SLOTS:
+        if not valid:
+            return
+    tiles = tl.num_programs(0)
+    n0 = pid_n * BLOCK_N
+    c = tl.arange(0, BLOCK_N)
+    wr = (n0 + c) % N_OUT
+    if SUM_SLOTS:
+        first, slot0, group = t * topk, 0, t
+    else:
+        first, slot0, group = p, j, p
+    arrivals = nslot * SPLIT
+    h = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if valid:
+        k0 = s * k_per_split
+        h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, w_ptr, ws_ptr, expert.to(tl.int64),
+                            wr.to(tl.int64), 1.0, k0, tl.minimum(K, k0 + k_per_split), stride_ak, stride_we,
+                            stride_wn, stride_wk, stride_se, stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX,
+                            DOT_PREC, False)
+        if arrivals > 1:
+            tl.store(part_ptr + (s * P * tiles + p * tiles + pid_n).to(tl.int64) * BLOCK_N + c, h)
+    if arrivals > 1:
+        if not _arrive(cnt_ptr + group * tiles + pid_n, arrivals):
+            return
+    jj = tl.arange(0, SLOTS)
+    e_vec, ok_vec = local_expert(ids_ptr, first + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
+                                 E_global, E, topk, has_map)
+    if arrivals > 1:
+        acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
+        for ss in range(SPLIT):
+            acc += tl.load(part_ptr + (ss * P * tiles + (first + jj) * tiles + pid_n).to(tl.int64)[:, None] * BLOCK_N
+                           + c[None, :], mask=ok_vec[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        acc = tl.where(ok_vec[:, None], tl.broadcast_to(h[None, :], (SLOTS, BLOCK_N)), 0.0)
+    e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
+    b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))
+    acc += tl.load(bias_ptr + e64[:, None] * stride_be + wr[None, :] * stride_bn, mask=b_ok, other=0.0).to(tl.float32)
+    g_vec = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (slot0 + jj) * stride_gk,
+                    mask=ok_vec & (jj < tl.where(apply_weight != 0, nslot, 0)), other=1.0).to(tl.float32)
+    out = tl.sum(acc * tl.where(ok_vec, g_vec, 0.0)[:, None], axis=0)
+    offs_n = n0 + c
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on,
+             out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)
