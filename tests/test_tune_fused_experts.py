@@ -260,17 +260,22 @@ def test_run_writes_the_key_of_the_format(fake_gpu, monkeypatch, tmp_path, capsy
     assert_close(out, ref, tolerance(dtype, DEVICE))
 
 
-def test_mxfp4_direct_path(fake_gpu, monkeypatch):
-    """The GEMVs of the direct path on MXFP4 operands (one wide tile each, sanitized for MXFP4)."""
-    monkeypatch.setattr(tune, "direct_candidates",
-                        lambda heur, quant: ([GemmConfig(64, 32, 4, 4)], [GemmConfig(8, 64, 4, 4)]))
-    E, topk, K, N, M = 4, 2, 64, 64, 1
+@pytest.mark.parametrize("quant, tiles, K, N", [
+    ("mxfp4", ([GemmConfig(64, 32, 4, 4)], [GemmConfig(8, 64, 4, 4)]), 64, 64),
+    ("mxfp4_mma", ([GemmConfig(64, 128, 4, 2, group_m=0, split_k=2)],
+                   [GemmConfig(128, 128, 4, 2, group_m=0, split_k=2)]), 256, 256),
+])
+def test_mxfp4_direct_path(fake_gpu, monkeypatch, quant, tiles, K, N):
+    """The GEMVs of the direct path on MXFP4 operands (one wide tile each, sanitized for the format; the MMA layout's
+    tensor-core GEMVs with split reductions), tuned and checked."""
+    monkeypatch.setattr(tune, "direct_candidates", lambda heur, quant: tiles)
+    E, topk, M = 4, 2, 1
     torch.manual_seed(0)
-    w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear")
+    w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear", quant)
     sets = tune.make_sets(E, topk, K, M, torch.bfloat16, 2)
     t, cfg = tune.tune_direct(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
     assert t == 20.0 and cfg.path == "direct" and len(fake_gpu) == 2
-    assert sanitize(cfg, torch.bfloat16, N, K, topk, "mxfp4") == cfg
+    assert sanitize(cfg, torch.bfloat16, N, K, topk, quant) == cfg
     x, g, ids = sets[0]
     d1, d2, kw = tune.fused_call_args(w1, w2)
     out = fused_experts_triton(x, d1, d2, g, ids, tune.ACTIVATION, config=cfg, **kw)
@@ -292,24 +297,6 @@ def test_mxfp4_mma_direct_candidates():
         for g in gs:
             cfg = sanitize(MoeConfig("direct", 0, g, g), torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
             assert getattr(cfg, which) == g
-
-
-def test_mxfp4_mma_direct_path(fake_gpu, monkeypatch):
-    """The tensor-core GEMVs of the MMA layout's direct path, tuned (one split tile each) and checked."""
-    monkeypatch.setattr(tune, "direct_candidates", lambda heur, quant: (
-        [GemmConfig(64, 128, 4, 2, group_m=0, split_k=2)], [GemmConfig(128, 128, 4, 2, group_m=0, split_k=2)]))
-    E, topk, K, N, M = 4, 2, 256, 256, 1
-    torch.manual_seed(0)
-    w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear", "mxfp4_mma")
-    sets = tune.make_sets(E, topk, K, M, torch.bfloat16, 2)
-    t, cfg = tune.tune_direct(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
-    assert t == 20.0 and cfg.path == "direct" and len(fake_gpu) == 2
-    assert sanitize(cfg, torch.bfloat16, N, K, topk, "mxfp4_mma") == cfg
-    x, g, ids = sets[0]
-    d1, d2, kw = tune.fused_call_args(w1, w2)
-    out = fused_experts_triton(x, d1, d2, g, ids, tune.ACTIVATION, config=cfg, **kw)
-    ref = fused_experts_torch(x, d1, d2, g, ids, tune.ACTIVATION, **kw).cpu()
-    assert_close(out, ref, tolerance(torch.bfloat16, DEVICE))
 
 
 @pytest.mark.cuda
