@@ -367,8 +367,6 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
         stride_ot, stride_oj, stride_on = out.stride(0), 0, out.stride(1)
     else:
         stride_ot, stride_oj, stride_on = out.stride(0), out.stride(1), out.stride(2)
-    # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
-    # per program streams a SLOTS times wider tile instead, the same bytes per step.
     slots = triton.next_power_of_2(topk) if sum_slots else 1
     if w2.fmt == WFMT_MXFP4_MMA:
         tiles = triton.cdiv(K, cfg.block_n)
@@ -390,6 +388,8 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return
+    # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
+    # per program streams a SLOTS times wider tile instead, the same bytes per step.
     block_n = cfg.block_n if sum_slots else cfg.block_n * triton.next_power_of_2(topk)
     grid = (triton.cdiv(K, block_n), M if sum_slots else M * topk)
     kern.gemv2_kernel[grid](
