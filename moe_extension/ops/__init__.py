@@ -19,3 +19,4 @@ from moe_extension.ops.expert_gemm import expert_gemm1, expert_gemm2  # noqa: F4
 from moe_extension.ops.lora import add_lora, lora_expand, lora_shrink  # noqa: F401
 from moe_extension.ops.fused_experts import fused_experts, fused_experts_torch  # noqa: F401
 from moe_extension.ops.fused_moe import fused_moe  # noqa: F401
+from moe_extension.ops.ep_fused_experts import ep_fused_experts  # noqa: F401

@@ -27,6 +27,19 @@ def uses_grouped_topk(num_expert_group, topk_group, scoring_func, e_score_correc
                                                    routed_scaling_factor) != (1, 1, "softmax", 1.0)
 
 
+def route(gating_output, topk, renormalize, num_expert_group=1, topk_group=1, scoring_func="softmax",
+          e_score_correction_bias=None, routed_scaling_factor=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights, topk_ids)`` of the monolithic path: ``topk_softmax``, or ``grouped_topk`` when a DeepSeek
+    routing argument is given (through ``torch.ops.moe_ext``, so each dispatches by device)."""
+    if uses_grouped_topk(num_expert_group, topk_group, scoring_func, e_score_correction_bias, routed_scaling_factor):
+        return torch.ops.moe_ext.grouped_topk(
+            gating_output, topk, renormalize, num_expert_group=num_expert_group, topk_group=topk_group,
+            scoring_func=scoring_func, e_score_correction_bias=e_score_correction_bias,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+    return torch.ops.moe_ext.topk_softmax(gating_output, topk, renormalize)
+
+
 def check_fused_moe(hidden_states, w1, w2, gating_output, topk, activation, w1_bias, w2_bias, expert_map, quant,
                     w1_scale, w2_scale, backend, num_expert_group, topk_group, scoring_func, e_score_correction_bias,
                     routed_scaling_factor):
@@ -49,14 +62,8 @@ def _fused_moe(hidden_states, w1, w2, gating_output, topk, renormalize, activati
     check_fused_moe(hidden_states, w1, w2, gating_output, topk, activation, w1_bias, w2_bias, expert_map, quant,
                     w1_scale, w2_scale, backend, num_expert_group, topk_group, scoring_func, e_score_correction_bias,
                     routed_scaling_factor)
-    if uses_grouped_topk(num_expert_group, topk_group, scoring_func, e_score_correction_bias, routed_scaling_factor):
-        topk_weights, topk_ids = torch.ops.moe_ext.grouped_topk(
-            gating_output, topk, renormalize, num_expert_group=num_expert_group, topk_group=topk_group,
-            scoring_func=scoring_func, e_score_correction_bias=e_score_correction_bias,
-            routed_scaling_factor=routed_scaling_factor,
-        )
-    else:
-        topk_weights, topk_ids = torch.ops.moe_ext.topk_softmax(gating_output, topk, renormalize)
+    topk_weights, topk_ids = route(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func,
+                                   e_score_correction_bias, routed_scaling_factor)
     return torch.ops.moe_ext.fused_experts(
         hidden_states, w1, w2, topk_weights, topk_ids, activation, w1_bias=w1_bias, w2_bias=w2_bias,
         expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input, quant=quant,
