@@ -11,9 +11,11 @@ and ``fixed`` (capacity = M: no host sync, what a captured decode step runs).
 Per cell, medians over iterations of the slowest rank's time (ms):
 - ``dispatch`` (plan + pack + all_to_all), ``experts`` (``fused_experts`` on the received rows), ``combine``
   (all_to_all back + the per-token sum), each between CUDA events on every rank; ``total``: the layer's
-  forward call timed on its own.
+  forward call timed on its own, eager (from an idle GPU, so the host's issue time counts); with a capacity
+  also ``total_graph``: the call captured in a CUDA graph and replayed (what a captured decode step runs).
 - ``single_gpu``: ``fused_experts`` on rank 0 alone with its E / W experts and M tokens routed uniformly
-  over them (the same work per GPU as the uniform EP cell); ``weak_scaling = single_gpu / total``.
+  over them (the same work per GPU as the uniform EP cell, eager); ``weak_scaling = single_gpu / total``
+  (``weak_scaling_graph``: both replayed in CUDA graphs, ``single_gpu_graph / total_graph``).
 - ``a2a_dispatch`` / ``a2a_combine``: a plain ``all_to_all_single`` of the same rows (same split sizes) in the
   same run; ``dispatch_bw`` etc.: bytes that leave a rank per second, and ``*_vs_plain`` their ratio.
 
@@ -142,6 +144,21 @@ def bench_cell(layer, weights: dict, M: int, routing: str, mode: str, dispatch_d
             phases.append(_slowest([_ms(t0, t1), _ms(t1, t2), _ms(t2, t3)], device))
             totals.append(_slowest([_ms(s0, s1)], device)[0])
             plain.append(_slowest([_ms(p0, p1), _ms(p1, p2)], device))
+    if mode == "fixed" and device.type == "cuda":  # what a captured decode step runs: the call replayed
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(x, tw, ids)
+        replays = []
+        for it in range(warmup + iters):
+            dist.barrier()
+            _sync(device)
+            g0 = _mark(device)
+            graph.replay()
+            g1 = _mark(device)
+            _sync(device)
+            if it >= warmup:
+                replays.append(_slowest([_ms(g0, g1)], device)[0])
+        del graph
     med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
     # bytes that leave each rank (rows for other ranks), the largest over the ranks
     rows_off = d.plan.counts.clone()
@@ -154,6 +171,8 @@ def bench_cell(layer, weights: dict, M: int, routing: str, mode: str, dispatch_d
            "dispatch": med(phases, 0), "experts": med(phases, 1), "combine": med(phases, 2),
            "total": statistics.median(totals), "a2a_dispatch": med(plain, 0), "a2a_combine": med(plain, 1),
            "dispatch_bytes_off_rank": out_bytes, "combine_bytes_off_rank": back_bytes}
+    if mode == "fixed" and device.type == "cuda":
+        res["total_graph"] = statistics.median(replays)
     res["dispatch_bw"] = out_bytes / (res["dispatch"] * 1e-3)
     res["combine_bw"] = back_bytes / (res["combine"] * 1e-3)
     res["dispatch_vs_plain"] = res["a2a_dispatch"] / res["dispatch"]
@@ -161,23 +180,32 @@ def bench_cell(layer, weights: dict, M: int, routing: str, mode: str, dispatch_d
     return res
 
 
-def single_gpu(weights: dict, M: int, shape: dict, device, iters: int, warmup: int) -> float:
-    """fused_experts of M tokens over this rank's experts alone (uniform routing), median ms."""
+def single_gpu(weights: dict, M: int, shape: dict, device, iters: int, warmup: int) -> tuple[float, float | None]:
+    """fused_experts of M tokens over this rank's experts alone (uniform routing): median ms eager and, on CUDA,
+    per call replayed in a CUDA graph."""
     e_local = weights["w1"].shape[0]
     gen = torch.Generator().manual_seed(7 + M)
     x = torch.randn(M, shape["K"], generator=gen).to(device=device, dtype=torch.bfloat16)
     tw, ids = make_routing(M, e_local, min(shape["topk"], e_local), "uniform", torch.zeros(e_local), device, gen)
     kw = {k: weights.get(k) for k in ("w1_scale", "w2_scale")}
+
+    def call(_=None):
+        return torch.ops.moe_ext.fused_experts(x, weights["w1"], weights["w2"], tw, ids, quant=weights["quant"], **kw)
+
     times = []
     for it in range(warmup + iters):
         _sync(device)
         a = _mark(device)
-        torch.ops.moe_ext.fused_experts(x, weights["w1"], weights["w2"], tw, ids, quant=weights["quant"], **kw)
+        call()
         b = _mark(device)
         _sync(device)
         if it >= warmup:
             times.append(_ms(a, b))
-    return statistics.median(times)
+    if device.type != "cuda":
+        return statistics.median(times), None
+    from harness import time_graph_us
+
+    return statistics.median(times), time_graph_us(call, reps=5, replays=iters) / 1e3
 
 
 def _worker(rank: int, args, store: str) -> None:
@@ -191,7 +219,7 @@ def _worker(rank: int, args, store: str) -> None:
     shape = SMALL if args.small else FULL
     emap = contiguous_expert_map(shape["E"], args.world, rank)
     e_local = int((emap >= 0).sum())
-    cells, baselines = [], {}
+    cells = []
     for quant in args.quant:
         torch.manual_seed(rank)
         weights = make_weights(e_local, shape["K"], shape["N"], quant, device)
@@ -199,9 +227,9 @@ def _worker(rank: int, args, store: str) -> None:
                                   w1_scale=weights.get("w1_scale"), w2_scale=weights.get("w2_scale"))
         for M in args.tokens:
             # rank 0 alone; the others wait at the barrier
-            base = single_gpu(weights, M, shape, device, args.iters, args.warmup) if rank == 0 else 0.0
+            base, base_graph = single_gpu(weights, M, shape, device, args.iters, args.warmup) if rank == 0 \
+                else (0.0, None)
             dist.barrier()
-            baselines[(quant, M)] = base
             for routing in args.routing:
                 for dispatch_dtype in args.dispatch:
                     for mode in args.modes:
@@ -209,6 +237,9 @@ def _worker(rank: int, args, store: str) -> None:
                                          args.iters, args.warmup)
                         res["single_gpu"] = base
                         res["weak_scaling"] = base / res["total"] if rank == 0 else 0.0
+                        if "total_graph" in res and rank == 0:
+                            res["single_gpu_graph"] = base_graph
+                            res["weak_scaling_graph"] = base_graph / res["total_graph"]
                         if rank == 0:
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in res.items()), flush=True)
