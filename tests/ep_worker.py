@@ -127,7 +127,8 @@ def _weights_kwargs(d: dict, quant: str) -> dict:
 def layer_of(p: Problem, quant: str = "none", **kwargs):
     from moe_extension.parallel import ExpertParallelMoE
 
-    return ExpertParallelMoE(p.local["w1"], p.local["w2"], p.expert_map, **_weights_kwargs(p.local, quant),
+    # the map on the host: the layer moves it to the weights' device (NCCL gathers CUDA tensors)
+    return ExpertParallelMoE(p.local["w1"], p.local["w2"], p.expert_map.cpu(), **_weights_kwargs(p.local, quant),
                              **kwargs)
 
 

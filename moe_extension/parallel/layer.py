@@ -35,9 +35,10 @@ class ExpertParallelMoE(torch.nn.Module):
         group = dist.group.WORLD if group is None else group
         self.group_name = group.group_name
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        device = w1.device  # NCCL gathers CUDA tensors, gloo CPU ones: the weights' device is the group's
+        expert_map = expert_map.to(device=device, dtype=torch.int32)
         self.placement = ExpertPlacement.gather(expert_map, w1.shape[0], group)
-        device = w1.device
-        self.register_buffer("expert_map", expert_map.to(device=device, dtype=torch.int32), persistent=False)
+        self.register_buffer("expert_map", expert_map, persistent=False)
         self.register_buffer("expert_owner", self.placement.expert_owner.to(device), persistent=False)
         self.w1, self.w2, self.w1_bias, self.w2_bias = w1, w2, w1_bias, w2_bias
         self.w1_scale, self.w2_scale = w1_scale, w2_scale
