@@ -5,7 +5,7 @@ writes what it measured (or the exception it raised) to a JSON file; returns ``{
 Every rank builds the same problem from the case's seed: all experts (``random_experts``), every rank's tokens
 and routing, the expert placement. It runs ``ExpertParallelMoE`` on its own tokens with its own experts and
 compares with ``fused_experts`` on one process holding every expert (experts held by no rank mapped to -1):
-``err`` is max|out - ref| / max|ref|.
+``err`` is ``tests.utils.rel_err`` (||out - ref|| / ||ref||, inf where out is not finite).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.utils import rel_err
 
 TIMEOUT = datetime.timedelta(seconds=180)  # a rank left waiting in a collective fails instead of hanging
 
@@ -139,12 +141,6 @@ def reference(p: Problem, x=None, quant: str = "none", activation: str = "silu",
         p.ids if ids is None else ids, activation, expert_map=p.union_map, apply_router_weight_on_input=on_input,
         **_weights_kwargs(p.full, quant),
     )
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if ref.numel() == 0:
-        return 0.0 if out.shape == ref.shape else float("inf")
-    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30))
 
 
 def _compare(p: Problem, out: torch.Tensor, ref: torch.Tensor) -> dict:

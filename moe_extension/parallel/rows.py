@@ -56,7 +56,7 @@ class RowFormat:
 
     @property
     def meta(self) -> int:
-        data = self.scale_offset + 4 * self.groups if self.fp8 else self.K * torch.empty((), dtype=self.dtype).itemsize
+        data = self.scale_offset + 4 * self.groups if self.fp8 else self.K * torch.finfo(self.dtype).bits // 8
         return _round16(data)
 
     @property
