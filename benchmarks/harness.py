@@ -3,7 +3,8 @@
 - ``copy_bandwidth()``: device-to-device copy rate in bytes/s, counting bytes read + written.
 - ``gemm_peak(dtype)``: dense matmul rate in FLOP/s for an 8192^3 product of random data.
 - ``time_graph_us(fn)``: median time of one call of ``fn`` in microseconds, measured by replaying a
-  CUDA graph that holds ``reps`` calls of it (launch gaps shrink to what a captured decode loop sees).
+  CUDA graph that holds ``reps`` calls of it (launch gaps shrink to what a captured decode loop sees);
+  ``time_graph_budget_us(fn, n_sets)``: the same with ``reps`` sized to a time budget per replay.
 - ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
 - ``device_info()``: the device/torch/triton fields every results file carries at its top level.
 - ``random_mxfp4_stack(e, rows, cols, device)``: random MXFP4 expert weights, quantized a few experts at a time.
@@ -78,6 +79,19 @@ def time_graph_us(fn: Callable[[int], object], reps: int = 20, replays: int = 15
     torch.cuda.synchronize()
     ms = statistics.median(_events_time_ms(graph.replay, replays))
     return ms * 1e3 / reps
+
+
+def time_graph_budget_us(fn: Callable[[int], object], n_sets: int, budget_us: float = 25000.0,
+                         replays: int = 5) -> float:
+    """``time_graph_us`` with as many calls per graph (a multiple of ``n_sets``, 4 to 400) as fill about
+    ``budget_us`` of GPU time, estimated from one eager pass over the input sets: short cells get enough calls to
+    be timed, long ones (prefill) do not take seconds per cell."""
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    est_ms = statistics.median(_events_time_ms(lambda: [fn(i) for i in range(n_sets)], 1)) / n_sets
+    reps = max(n_sets, min(400, int(budget_us / max(est_ms * 1e3, 1.0)) // n_sets * n_sets))
+    return time_graph_us(fn, reps=reps, replays=replays)
 
 
 def rotating(make: Callable[[], object], nbytes_per_set: int, l2_bytes: int | None = None) -> list:

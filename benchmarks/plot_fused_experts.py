@@ -6,7 +6,9 @@ installed, failed its check or raised) are left out of their line. A ``--quant m
 (``fused_experts_mxfp4_<gpu>.json``, ``"quant": "mxfp4"``) is charted the same way with its columns: ours and
 triton_kernels on MXFP4 weights, ours on the bf16 copies, and its floor (4.25-bit weights); a
 ``bench_fused_experts_fp8.py`` result (``"quant": "fp8_block"``, panels per shape) with ours (auto and Triton), the
-DeepGEMM route, vLLM's Triton kernel and its floor. Needs matplotlib; runs without a GPU.
+DeepGEMM route, vLLM's Triton kernel and its floor; a ``bench_zoo.py`` result (``"kind": "zoo"``, a grid of panels,
+four per row) with ours, vLLM's kernel (whole and its two GEMMs alone), triton_kernels, torch._grouped_mm and the
+floor. Needs matplotlib; runs without a GPU.
 """
 
 from __future__ import annotations
@@ -38,9 +40,22 @@ FP8_SERIES = (
     ("floor_us", "floor (fp8 bytes / copy BW, flops / fp8 GEMM peak)", dict(linestyle="--", color="black")),
 )
 
+ZOO_SERIES = (
+    ("ours_us", "ours (moe_ext)", dict(marker="o", linewidth=2.0, color="tab:blue")),
+    ("vllm_us", "vLLM Triton fused_moe_kernel (routing included)", dict(marker="^", color="tab:green")),
+    ("vllm_gemms_us", "vLLM's two GEMM launches alone", dict(marker="v", linestyle=":", color="tab:green")),
+    ("triton_kernels_us", "triton_kernels matmul_ogs", dict(marker="s", color="tab:orange")),
+    ("grouped_mm_us", "torch._grouped_mm pipeline", dict(marker="x", color="tab:gray")),
+    ("floor_us", "floor (bytes / copy BW, flops / GEMM peak)", dict(linestyle="--", color="black")),
+)
+PANELS_PER_ROW = 4  # the zoo's 14 shapes: 4 rows
+
 
 def series_for(result: dict) -> tuple:
-    """The lines to draw for a result file (the bf16 run's, the ``--quant mxfp4`` run's or the fp8 run's)."""
+    """The lines to draw for a result file (the bf16 run's, the ``--quant mxfp4`` run's, the fp8 run's or the
+    zoo's)."""
+    if result.get("kind") == "zoo":
+        return ZOO_SERIES
     return {"mxfp4": MXFP4_SERIES, "fp8_block": FP8_SERIES}.get(result.get("quant"), SERIES)
 
 
@@ -57,8 +72,12 @@ def plot(result: dict, out: Path) -> Path:
 
     panel = "shape" if result.get("quant") == "fp8_block" else "model"
     models = list(dict.fromkeys(row[panel] for row in result["rows"]))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
+    cols = min(len(models), PANELS_PER_ROW)
+    grid = -(-len(models) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(5.2 * cols, 4.4 * grid), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
         rows = sorted((r for r in result["rows"] if r[panel] == model), key=lambda r: r["M"])
         for key, label, style in series_for(result):
             points = [(r["M"], r[key]) for r in rows if r.get(key) is not None]
@@ -74,7 +93,8 @@ def plot(result: dict, out: Path) -> Path:
         ax.set_ylabel("µs per call")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    return save_chart(fig, f"fused_experts, {weights_caption(result)}, {result.get('activation', 'swigluoai')}",
+    title = "fused_experts on the model zoo" if result.get("kind") == "zoo" else "fused_experts"
+    return save_chart(fig, f"{title}, {weights_caption(result)}, {result.get('activation', 'swigluoai')}",
                       result, out)
 
 

@@ -60,6 +60,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))
 sys.path.insert(0, str(BENCH_DIR))
+from model_zoo import ZOO  # noqa: E402
 
 MODELS = {
     "gpt-oss-120b": dict(E=128, topk=4, K=2880, N=2880),
@@ -69,6 +70,9 @@ MODELS = {
     "deepseek-v3": dict(E=256, topk=8, K=7168, N=2048),
     "deepseek-v2-lite": dict(E=64, topk=6, K=2048, N=1408),
 }
+# The zoo of bench_zoo.py (model_zoo.ZOO) but its expert-parallel shard, whose routing (most slots on other GPUs)
+# is not what the tuner draws.
+MODELS.update({name: {k: s[k] for k in ("E", "topk", "K", "N")} for name, s in ZOO.items() if "E_global" not in s})
 # --models by --quant: the three bf16 benchmark models; for MXFP4 the gpt-oss models, whose experts ship in it
 DEFAULT_MODELS = {
     "none": ("gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b"),

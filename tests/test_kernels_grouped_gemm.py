@@ -460,6 +460,45 @@ def test_sanitize_clamps():
     assert cfg.gemm2.num_stages == 6
 
 
+def test_dense_heuristic_tiles_by_block_m():
+    """16-bit weights (dbrx-tp8's experts: E 16, topk 4, K 6144, N 1344): blocks of 128 rows from 96 rows per
+    expert on, and the tiles of ``dense_sorted_tiles`` per block height; fp32 activations and the quantized formats
+    keep their own rules."""
+    def bf16(M, N=1344, dtype=torch.bfloat16, quant="none"):
+        return configs.heuristic_config(M, 16, N, 6144, 4, dtype, True, True, 132, quant)
+
+    c = bf16(512)  # 128 rows per expert
+    assert c.block_m == 128 and (c.gemm1.block_n, c.gemm1.group_m, c.gemm1.tma_weights) == (128, 0, True)
+    assert (c.gemm2.block_n, c.gemm2.tma_weights) == (256, True)
+    c = bf16(300)  # 75 rows
+    assert c.block_m == 64 and c.gemm1.block_n == 64 and c.gemm1.tma_weights and bf16(300, N=4096).gemm1.block_n == 128
+    c = bf16(128)  # 32 rows
+    assert c.block_m == 32 and (c.gemm1.block_k, c.gemm1.tail_m) == (128, 16) and c.gemm2.tma_a and c.gemm2.tma_weights
+    c = bf16(32)  # 8 rows
+    assert c.block_m == 16 and (c.gemm1.block_n, c.gemm1.block_k) == (32, 128) and c.gemm2.tma_weights
+    assert bf16(512, dtype=torch.float32).block_m == 64 and not bf16(512, dtype=torch.float32).gemm1.tma_weights
+    mx = bf16(512, quant="mxfp4")
+    assert mx.block_m == 64 and mx.gemm1.group_m == 8 and not mx.gemm1.tma_weights
+    assert bf16(512, quant="fp8_block").block_m == 64
+
+
+def test_local_tokens_of_an_expert_parallel_shard(monkeypatch):
+    """With an expert_map over more experts than the weights hold, the config is chosen for the tokens whose
+    slots are as many as the local share of M's (uniform routing): M * E / E_global, at least 2 unless M = 1."""
+    shard = torch.full((256,), -1, dtype=torch.int32)
+    assert fe.local_tokens(4096, 32, None) == 4096 and fe.local_tokens(4096, 32, torch.arange(32)) == 4096
+    assert fe.local_tokens(4096, 32, shard) == 512 and fe.local_tokens(100, 32, shard) == 12
+    assert fe.local_tokens(1, 32, shard) == 1 and fe.local_tokens(8, 32, shard) == 2
+    asked = []
+    monkeypatch.setattr(fe, "get_config", lambda M, *args: asked.append(M) or configs.get_config(M, *args))
+    x = torch.zeros(64, 32, dtype=torch.bfloat16)
+    w1 = torch.zeros(4, 32, 32, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 32, 16, dtype=torch.bfloat16)
+    cfg = fe.select_config(64, x, fe.WeightOperand.of(w1), fe.WeightOperand.of(w2), 2, None, "none",
+                           torch.full((32,), -1, dtype=torch.int32))
+    assert asked == [8] and cfg == configs.get_config(8, 4, 16, 32, 2, torch.bfloat16, True, True, x.device)
+
+
 def test_table_lookup(tmp_path, monkeypatch):
     """Tuned entries: nearest M bucket in log2; a direct entry never serves a larger M unsuited to it."""
     key = configs.table_key(8, 64, 32, 2, torch.bfloat16, True, True)

@@ -195,8 +195,10 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
     # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
     block_m = 16 if rows <= 16 else 32 if rows <= 40 else 64 if rows <= 160 else 128
-    if quant == "mxfp4_mma" and rows >= 96:
-        block_m = 128  # the block's tokens are the MMA's N: a wider N amortizes the decode (mxfp4_mma_heuristic)
+    if rows >= 96 and (quant == "mxfp4_mma" or (quant == "none" and esize == 2)):
+        # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
+        # 16-bit weights: see dense_sorted_tiles.
+        block_m = 128
     big = block_m >= 128
     # NOTE: gemm1 tiles cover 2 * block_n weight rows (gate + up); block_k 64 keeps 4 stages in smem.
     # NOTE: an expert's last block is partial (half empty on average); in gemm1 a quarter-height tail tile
@@ -212,6 +214,8 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if esize == 4:
         g1 = dataclasses.replace(g1, block_k=32, num_stages=3)
         g2 = dataclasses.replace(g2, block_k=32, num_stages=3)
+    elif quant == "none":
+        g1, g2 = dense_sorted_tiles(block_m, N, g1, g2)
     # NOTE: split the second GEMM's reduction when its tiles cannot fill the GPU twice over (decode-like
     # batches on the sorted path); partial sums go through the fp32 workspace that the slot sum reads.
     blocks = expected_hit_experts(P, E) + P / block_m
@@ -252,6 +256,42 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if quant == "mxfp4_mma":
         g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2, blocks, K, N, num_sms)
     return MoeConfig("sorted", block_m, g1, g2)
+
+
+def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
+    """16-bit weights, sorted schedule: the tiles that the tuner picks on the H100 (``tune_fused_experts.py``: the
+    table's entries for the three benchmark models and its runs on the zoo of ``bench_zoo.py``), as a rule of
+    block_m (from 96 rows per expert on, blocks of 128: ``heuristic_config``):
+
+    - 16 rows: gemm1 tiles of 32 columns (64 weight rows) in 128-column steps; gemm2's weights by TMA;
+    - 32 rows: gemm1 64 x 128 steps, 3 stages, weights by TMA in expert-major order, 16-row tail tiles; gemm2's
+      weights and rows by TMA;
+    - 64 rows: gemm1's weights by TMA in expert-major order, 128 columns (256 weight rows) for N >= 2048;
+    - 128 rows: gemm1 128 columns (256 weight rows), weights by TMA in expert-major order; gemm2 256 output
+      columns, weights by TMA.
+
+    NOTE: against the tiles this rule replaced (64-column gemm1 tiles from pointers at every block_m, 128-column
+    gemm2 tiles, blocks of 128 rows from 160 rows per expert on), the 14 zoo shapes without table entries on the
+    H100 (``python benchmarks/bench_zoo.py``, bf16, swigluoai): ours / floor 0.74-0.94x at M = 8192 (geomean
+    0.81), 0.79-1.00x at M = 2048 (0.87), 0.86-1.03x at M = 512 (0.95), 0.95-1.01x at M 8 and 64; geomean over
+    the 84 cells 1.314 -> 1.228 (M = 1 runs the direct schedule, unchanged). The tuner's runs on three of those
+    shapes (``python benchmarks/tune_fused_experts.py --models dbrx-tp8 qwen3-next-80b-a3b-tp2 deepseek-v3-tp4
+    --tokens 512 2048 8192``) chose blocks of 128 rows at 128 and 160 rows per expert (dbrx-tp8 M = 512: 356
+    against 391 us for blocks of 64; qwen3-next M = 8192: 1126 against 1173)."""
+    if block_m == 16:
+        g1 = dataclasses.replace(g1, block_n=32, block_k=128)
+        g2 = dataclasses.replace(g2, tma_weights=True)
+    elif block_m == 32:
+        g1 = dataclasses.replace(g1, block_n=64, block_k=128, num_stages=3, group_m=0, tail_m=16, tma_weights=True)
+        g2 = dataclasses.replace(g2, tma_weights=True, tma_a=True)
+    elif block_m == 64:
+        wide = N >= 2048
+        g1 = dataclasses.replace(g1, block_n=128 if wide else 64, num_stages=3 if wide else 4, group_m=0,
+                                 tma_weights=True)
+    elif block_m == 128:
+        g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True)
+        g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True)
+    return g1, g2
 
 
 def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: float, K: int, N: int,
