@@ -108,6 +108,7 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
     from bench_fused_experts import make_weights, rel_err
 
     from moe_extension.kernels import fused_experts_triton
+    from moe_extension.kernels.fused_experts import local_tokens
     from moe_extension.kernels._configs import _device_facts, get_config, heuristic_config, sanitize
 
     shape = ZOO[model]
@@ -126,9 +127,10 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
     for m in args.tokens:
         sets = make_sets(torch, m, shape, gen)
         row = cell_row(torch, model, shape, m, sets, copy_bw, gemm_peak)
-        table_cfg = get_config(m, e, n, k, topk, torch.bfloat16, True, True, w1.device)
-        heur_cfg = sanitize(heuristic_config(m, e, n, k, topk, torch.bfloat16, True, True, sms), torch.bfloat16,
-                            n, k, topk)
+        m_cfg = local_tokens(m, e, emap)  # what the op chooses its config for (an expert-parallel shard: fewer)
+        table_cfg = get_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, w1.device)
+        heur_cfg = sanitize(heuristic_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, sms),
+                            torch.bfloat16, n, k, topk)
         row["config"] = table_cfg.to_json()
         row["heuristic_is_table"] = heur_cfg == table_cfg
         prepared = [vllm.prepare(*s) for s in sets] if vllm is not None else None

@@ -272,7 +272,8 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
 
     NOTE: against the tiles this rule replaced (64-column gemm1 tiles from pointers at every block_m, 128-column
     gemm2 tiles, blocks of 128 rows from 160 rows per expert on), the 14 zoo shapes without table entries on the
-    H100 (``python benchmarks/bench_zoo.py``, bf16, swigluoai): ours / floor 0.74-0.94x at M = 8192 (geomean
+    H100 (``python benchmarks/bench_zoo.py``, bf16, swigluoai; the expert-parallel shard also with
+    ``fused_experts.local_tokens``): ours / floor 0.74-0.94x at M = 8192 (geomean
     0.81), 0.79-1.00x at M = 2048 (0.87), 0.86-1.03x at M = 512 (0.95), 0.95-1.01x at M 8 and 64; geomean over
     the 84 cells 1.314 -> 1.228 (M = 1 runs the direct schedule, unchanged). The tuner's runs on three of those
     shapes (``python benchmarks/tune_fused_experts.py --models dbrx-tp8 qwen3-next-80b-a3b-tp2 deepseek-v3-tp4

@@ -87,13 +87,15 @@ def select_config(M: int, hidden_states: torch.Tensor, w1: WeightOperand, w2: We
 
 def local_tokens(M: int, E: int, expert_map: torch.Tensor | None) -> int:
     """The token count a config is chosen for: M, or with an ``expert_map`` over more experts than the E held here
-    (an expert-parallel shard) M * E / E_global (at least 1): under uniform routing that share of the slots is
-    local, so the local experts see the rows of that many tokens with every slot local (from shapes only).
-    NOTE: DeepSeek-V3's 32-expert shard of 256 (bf16, benchmarks/bench_zoo.py --models deepseek-v3-ep8) on the
-    H100 with configs for all M tokens: M = 1 74.8 us (vLLM's two GEMM launches alone 57.0), M = 8192 2219 us."""
+    (an expert-parallel shard) M * E / E_global, at least 2 unless M = 1: under uniform routing that share of the
+    slots is local, so the local experts see the rows of that many tokens with every slot local (shapes only).
+    NOTE: DeepSeek-V3's 32-expert shard of 256 (bf16, ``python benchmarks/bench_zoo.py --models deepseek-v3-ep8``)
+    on the H100, ours / floor before -> after this and ``_configs.dense_sorted_tiles`` together (not measured
+    apart): M = 8 1.09 -> 1.06, 64 1.03 -> 0.99, 512 1.06 -> 1.02, 2048 1.18 -> 1.17, 8192 2.15 -> 1.62. With
+    a floor of 2 tokens, M = 8 takes the sorted schedule: the direct one (chosen for 1 local token) took 458 us
+    against 211 (its grid covers all M * topk pairs, most of them not local)."""
     if expert_map is None or expert_map.numel() <= E:
         return M
-    # The direct schedule's grid covers all M * topk pairs: it stays the choice of a single token.
     return max(1 if M == 1 else 2, round(M * E / expert_map.numel()))
 
 
