@@ -84,13 +84,6 @@ def make_sets(torch, m: int, shape: dict, gen) -> list:
     return sets
 
 
-def contiguous_map(torch, e_local: int, e_global: int):
-    """expert_map [E_global] int32: the first e_local global experts are this GPU's, the others -1."""
-    emap = torch.full((e_global,), -1, dtype=torch.int32, device=DEVICE)
-    emap[:e_local] = torch.arange(e_local, dtype=torch.int32, device=DEVICE)
-    return emap
-
-
 def cell_row(torch, model: str, shape: dict, m: int, sets: list, copy_bw: float, gemm_peak: float) -> dict:
     e, topk, k, n = shape["E"], shape["topk"], shape["K"], shape["N"]
     local = [s[2][s[2] < e] for s in sets]  # the contiguous map makes global ids < E the local ones
@@ -108,12 +101,15 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
     from bench_fused_experts import make_weights, rel_err
 
     from moe_extension.kernels import fused_experts_triton
+    from moe_extension.parallel import contiguous_expert_map
     from moe_extension.kernels.fused_experts import local_tokens
     from moe_extension.kernels._configs import _device_facts, get_config, heuristic_config, sanitize
 
     shape = ZOO[model]
     e, topk, k, n = shape["E"], shape["topk"], shape["K"], shape["N"]
-    emap = contiguous_map(torch, e, shape["E_global"]) if "E_global" in shape else None
+    # an expert-parallel shard: rank 0 of E_global / E, which holds the first E global experts
+    emap = (contiguous_expert_map(shape["E_global"], shape["E_global"] // e, 0).to(DEVICE)
+            if "E_global" in shape else None)
     w1, w2 = make_weights(torch, e, k, n, "linear")
     act = args.activation
     gen = torch.Generator(device=DEVICE).manual_seed(zlib.crc32(model.encode()))  # the same inputs every run

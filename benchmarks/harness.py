@@ -85,12 +85,17 @@ def time_graph_budget_us(fn: Callable[[int], object], n_sets: int, budget_us: fl
                          replays: int = 5) -> float:
     """``time_graph_us`` with as many calls per graph (a multiple of ``n_sets``, 4 to 400) as fill about
     ``budget_us`` of GPU time, estimated from one eager pass over the input sets: short cells get enough calls to
-    be timed, long ones (prefill) do not take seconds per cell."""
+    be timed, long ones (prefill) do not take seconds per cell.
+
+    NOTE: ~25 ms of work per replay, 5 replays: long enough to run at the power-capped clock that sustained
+    prefill sees. With 2 ms bursts the H100 stayed near 1.98 GHz and the tuner's phases summed to 4517 us at
+    mixtral M = 4096, where the same kernels took 4895-5110 us in the benchmark's timing (~1.4 GHz).
+    """
     for i in range(2):
         fn(i)
     torch.cuda.synchronize()
-    est_ms = statistics.median(_events_time_ms(lambda: [fn(i) for i in range(n_sets)], 1)) / n_sets
-    reps = max(n_sets, min(400, int(budget_us / max(est_ms * 1e3, 1.0)) // n_sets * n_sets))
+    (est_ms,) = _events_time_ms(lambda: [fn(i) for i in range(n_sets)], 1)
+    reps = max(n_sets, min(400, int(budget_us / max(est_ms * 1e3 / n_sets, 1.0)) // n_sets * n_sets))
     return time_graph_us(fn, reps=reps, replays=replays)
 
 

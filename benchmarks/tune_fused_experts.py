@@ -331,26 +331,12 @@ def direct_candidates(heuristic, quant: str = "none"):
 
 
 def time_us(fn, n_sets: int) -> float:
-    """Median µs per call of fn(i) (i rotates over the input sets), by CUDA-graph replay; inf on failure."""
-    from harness import time_graph_us
+    """Median µs per call of fn(i) (i rotates over the input sets), by CUDA-graph replay of ~25 ms of calls
+    (``harness.time_graph_budget_us``); inf on failure."""
+    from harness import time_graph_budget_us
 
     try:
-        for i in range(2):
-            fn(i)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(n_sets):
-            fn(i)
-        end.record()
-        end.synchronize()
-        est_us = start.elapsed_time(end) * 1e3 / n_sets
-        # NOTE: ~25 ms of work per replay (at least one pass over the input sets), 5 replays: long enough
-        # to run at the power-capped clock that sustained prefill sees (the benchmark's setting). With 2 ms
-        # bursts the H100 stayed near 1.98 GHz and the tuner's phases summed to 4517 us at mixtral
-        # M = 4096, where the same kernels took 4895-5110 us in the benchmark's timing (~1.4 GHz).
-        reps = max(n_sets, min(400, int(25000 / max(est_us, 1.0)) // n_sets * n_sets))
-        return time_graph_us(fn, reps=reps, replays=5)
+        return time_graph_budget_us(fn, n_sets)
     except Exception as exc:  # a config that fails to compile or launch is skipped, not fatal
         print(f"      skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
         torch.cuda.synchronize()
