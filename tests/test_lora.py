@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from moe_extension.experts import LoRAWeights, UnfusedOAITritonExperts
+from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton
 from moe_extension.kernels.lora import add_lora_triton, lora_block_m, lora_expand_triton, lora_shrink_triton
-from moe_extension.ops import add_lora, lora_expand, lora_shrink
-from tests.reference import lora_reference, opcheck_utils, random_expert_map, random_experts, random_routing
+from moe_extension.ops import add_lora, expert_gemm1, expert_gemm2, lora_expand, lora_shrink
+from tests.reference import (expert_gemm1_reference, expert_gemm2_reference, lora_reference, opcheck_utils,
+                             random_expert_map, random_experts, random_routing, tolerance)
 from tests.utils import DEVICES, INTERPRETED, assert_graph_replays_match_eager, rel_err
 
 KERNEL_DEVICES = [d for d in DEVICES if d == "cuda" or INTERPRETED]
@@ -113,6 +115,73 @@ def test_opcheck(device, op):
         args = (case["out"].clone(), case["x"], case["lora_a"], case["lora_b"], *slots)
         kwargs = {"expert_map": case["expert_map"], "topk_weights": case["topk_weights"]}
     torch.library.opcheck(getattr(torch.ops.moe_ext, op).default, args, kwargs, test_utils=opcheck_utils("none"))
+
+
+# ------------------------------------------------------------------------- the LoRA terms of the expert GEMMs
+
+
+def gemm_lora_case(gemm, M, quant, device, seed=0, L=3, r=5, E=6, topk=3):
+    """(call, kwargs of the op, LoRA kwargs, fp64 expected output, active pairs) of expert_gemm1 (gemm 1: x
+    [M, K]) or expert_gemm2 (gemm 2: x [M, topk, N]) with biases, an expert_map with invalid ids, router weights
+    and a mapping in [-1, L] (token 0 has adapter 1 and a valid first slot)."""
+    torch.manual_seed(seed)
+    K, N = (40, 27) if quant == "none" else (96, 64)
+    w = random_experts(E, K, N, quant, torch.float32, device, bias=True)
+    num_global = E + 2
+    weights, ids = random_routing(M, num_global, topk, device=device)
+    emap = random_expert_map(num_global, E, device)
+    ids[0, 0] = int(torch.nonzero(emap >= 0)[0])
+    mapping = torch.randint(-1, L + 1, (M,), dtype=torch.int32).to(device)
+    mapping[0] = 1
+    x = (torch.randn(M, K) if gemm == 1 else torch.randn(M, topk, N)).to(device)
+    rows = 2 * N if gemm == 1 else K
+    lora = {"lora_a": (torch.randn(L, E, r, x.shape[-1]) / x.shape[-1] ** 0.5).to(device),
+            "lora_b": (torch.randn(L, E, rows, r) / r**0.5).to(device), "token_lora_mapping": mapping}
+    n = str(gemm)
+    kwargs = {f"w{n}_bias": w[f"w{n}_bias"], "expert_map": emap, "topk_weights": weights, "quant": quant,
+              f"w{n}_scale": w[f"w{n}_scale"]}
+    base = (expert_gemm1_reference if gemm == 1 else expert_gemm2_reference)(x, w[f"w{n}"], ids, **kwargs)
+    case = dict(out=base, x=x, **lora, topk_ids=ids, expert_map=emap, topk_weights=weights)
+    return (x, w[f"w{n}"], ids), kwargs, lora, lora_reference(**case), active_pairs(case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gemm,M,quant", [(g, m, q) for g in (1, 2) for m in (1, 6) for q in ("none", "mxfp4")])
+def test_expert_gemm_lora_term(device, gemm, M, quant):
+    """The ops and, where the kernels run, their launchers: M = 1 takes the direct schedule (the expand in the
+    GEMV's epilogue), M = 6 the sorted one (add_lora after the GEMM); pairs without an adapter bit for bit as
+    without LoRA."""
+    args, kwargs, lora, ref, active = gemm_lora_case(gemm, M, quant, device, seed=M + 10 * gemm)
+    calls = [expert_gemm1 if gemm == 1 else expert_gemm2]
+    if device == "cuda" or INTERPRETED:
+        calls.append(expert_gemm1_triton if gemm == 1 else expert_gemm2_triton)
+    for call in calls:
+        out = call(*args, **kwargs, **lora)
+        assert rel_err(out.cpu(), ref) < tolerance(torch.float32, device, quant), call.__name__
+        base = call(*args, **kwargs)
+        assert torch.equal(out.cpu()[~active], base.cpu()[~active]), call.__name__
+        assert active.any() and (~active).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_gemm_lora_opcheck(device):
+    for gemm in (1, 2):
+        args, kwargs, lora, _, _ = gemm_lora_case(gemm, 5, "none", device, seed=gemm)
+        op = torch.ops.moe_ext.expert_gemm1 if gemm == 1 else torch.ops.moe_ext.expert_gemm2
+        torch.library.opcheck(op.default, args, dict(kwargs, **lora), test_utils=opcheck_utils("none"))
+
+
+def test_expert_gemm_lora_bad_arguments():
+    (x, w1, ids), kwargs, lora, _, _ = gemm_lora_case(1, 4, "none", "cpu")
+    with pytest.raises(RuntimeError, match="expert_gemm1: lora_a, lora_b and token_lora_mapping go together "
+                                           r"\(all three or none\), got lora_a=a tensor, lora_b=None"):
+        expert_gemm1(x, w1, ids, **kwargs, lora_a=lora["lora_a"])
+    bad = dict(lora, lora_b=lora["lora_b"][:, :, :-1])
+    with pytest.raises(RuntimeError, match=r"expert_gemm1: lora_b must have shape \[L, E, n, r\] = \[3, 6, 54, 5\]"):
+        expert_gemm1(x, w1, ids, **kwargs, **bad)
+    bad = dict(lora, lora_a=lora["lora_a"][:, :-1])
+    with pytest.raises(RuntimeError, match=r"expert_gemm1: lora_a must have shape \[L, E, r, K\] = \[3, 6, 5, 40\]"):
+        expert_gemm1(x, w1, ids, **kwargs, **bad)
 
 
 def test_compiles_with_dynamic_tokens_without_recompiles():

@@ -2,24 +2,24 @@
 
 ``apply(hidden_states [M, K], topk_weights fp32 [M, topk], topk_ids int [M, topk]) -> [M, K]`` runs
 
-    h   = gemm1(x)                    torch.ops.moe_ext.expert_gemm1        h [M, topk, 2N]
-    h  += B13[l,e] (A13[l,e] x)       add_lora_w13: torch.ops.moe_ext.add_lora, in place   (tokens with an adapter l)
-    a   = act(h)                      apply_activation: the native *_and_mul op, into a buffer   a [M*topk, N]
-    y   = g * gemm2(a)                torch.ops.moe_ext.expert_gemm2 (router weight g applied there)   y [M, topk, K]
-    y  += g * B2[l,e] (A2[l,e] a)     add_lora_w2: torch.ops.moe_ext.add_lora, in place    (tokens with an adapter l)
-    out = sum_j y[:, j]               moe_sum: torch.ops.moe_ext.moe_sum    out [M, K]
+    h   = gemm1(x) [+ B13[l,e] (A13[l,e] x)]       torch.ops.moe_ext.expert_gemm1        h [M, topk, 2N]
+    a   = act(h)                                   apply_activation: the native *_and_mul op, into a buffer
+    y   = g * (gemm2(a) [+ B2[l,e] (A2[l,e] a)])   torch.ops.moe_ext.expert_gemm2 (router weight g applied there)
+    out = sum_j y[:, j]                            moe_sum: torch.ops.moe_ext.moe_sum    out [M, K]
 
 in the dtype of ``hidden_states``. Subclasses override any step. LoRA adapters (``LoRAWeights``:
 ``A13 [L, E, r, K]``, ``B13 [L, E, 2N, r]``, ``A2 [L, E, r2, N]``, ``B2 [L, E, K, r2]``, rows of B13
 laid out like w1's) are attached with ``set_lora``; ``apply(..., token_lora_mapping=[M] int)`` picks
-one adapter per token, -1 (or any id outside [0, L)) for none. Tokens without an adapter, and invalid
+one adapter per token, -1 (or any id outside [0, L)) for none; the GEMM ops then add the LoRA terms [in
+brackets] (their ``lora_a`` / ``lora_b`` / ``token_lora_mapping``). Tokens without an adapter, and invalid
 slots, get exactly the output of the same call without LoRA.
 
 The second LoRA term is scaled by the router weight like the base term: g * (W2 a + b2 + B2 A2 a) =
 g * gemm2(a) + g * (B2 A2 a), so the base GEMM keeps applying g itself and the slots without an adapter
 keep its result bit for bit. With ``apply_router_weight_on_input`` the first GEMM and the first LoRA
-term both see g * x. LoRA math runs in fp32 and is rounded once into h and once into y
-(``moe_extension.ops.lora``: on CUDA grouped Triton kernels, ``moe_extension.kernels.lora``). Under CUDA graphs,
+term both see g * x. LoRA math runs in fp32; on CUDA at decode the GEMVs add the expand in their epilogue (one
+rounding), otherwise ``add_lora`` adds it to the rounded GEMM output (``moe_extension.ops.expert_gemm``). Under
+CUDA graphs,
 change adapters in place (``copy_`` into the attached tensors) and the mapping in its captured buffer: no recapture.
 """
 
@@ -47,8 +47,8 @@ class LoRAWeights:
 
 
 class UnfusedOAITritonExperts(ExpertsBase):
-    """Experts as separate steps (``gemm1``, ``add_lora_w13``, ``apply_activation``, ``gemm2``,
-    ``add_lora_w2``, ``moe_sum``), each overridable. Quant "none", "mxfp4" or "fp8_block"; every activation."""
+    """Experts as separate steps (``gemm1``, ``apply_activation``, ``gemm2``, ``moe_sum``; the GEMMs with their
+    LoRA terms), each overridable. Quant "none", "mxfp4" or "fp8_block"; every activation."""
 
     _QUANT_SCHEMES = ("none", "mxfp4", "fp8_block")
 
@@ -78,9 +78,12 @@ class UnfusedOAITritonExperts(ExpertsBase):
         topk_ids: torch.Tensor,
         expert_map: torch.Tensor | None,
         input_weights: torch.Tensor | None,
+        token_lora_mapping: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``h [M, topk, 2N] = W1[e] (g x) + b1[e]``, g = ``input_weights`` when given; invalid slots 0."""
+        """``h [M, topk, 2N] = W1[e] (g x) + b1[e]``, g = ``input_weights`` when given; invalid slots 0. With
+        ``token_lora_mapping``: plus ``B13[l,e] (A13[l,e] (g x))`` on the slots with an adapter."""
         weights = self.op_weights()
+        lora = self._lora_args(1, token_lora_mapping)
         return torch.ops.moe_ext.expert_gemm1(
             hidden_states,
             weights["w1"],
@@ -90,21 +93,8 @@ class UnfusedOAITritonExperts(ExpertsBase):
             topk_weights=input_weights,
             quant=self.op_quant,
             w1_scale=weights["w1_scale"],
+            **lora,
         )
-
-    def add_lora_w13(
-        self,
-        h: torch.Tensor,
-        hidden_states: torch.Tensor,
-        input_weights: torch.Tensor | None,
-        topk_ids: torch.Tensor,
-        expert_map: torch.Tensor | None,
-        token_lora_mapping: torch.Tensor,
-    ) -> torch.Tensor:
-        """``h += B13[l,e] (A13[l,e] (g x))`` in place on the slots with an adapter; the others unchanged."""
-        torch.ops.moe_ext.add_lora(h, hidden_states, self.lora.a13, self.lora.b13, topk_ids, token_lora_mapping,
-                                   expert_map=expert_map, topk_weights=input_weights)
-        return h
 
     def apply_activation(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The native gated activation: ``out [S, N] = act(h [S, 2N])``; returns ``out``."""
@@ -116,9 +106,12 @@ class UnfusedOAITritonExperts(ExpertsBase):
         topk_ids: torch.Tensor,
         expert_map: torch.Tensor | None,
         output_weights: torch.Tensor | None,
+        token_lora_mapping: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``y [M, topk, K] = g (W2[e] a + b2[e])``, g = ``output_weights`` when given; invalid slots 0."""
+        """``y [M, topk, K] = g (W2[e] a + b2[e])``, g = ``output_weights`` when given; invalid slots 0. With
+        ``token_lora_mapping``: plus ``g B2[l,e] (A2[l,e] a)`` on the slots with an adapter."""
         weights = self.op_weights()
+        lora = self._lora_args(2, token_lora_mapping)
         return torch.ops.moe_ext.expert_gemm2(
             a,
             weights["w2"],
@@ -128,21 +121,15 @@ class UnfusedOAITritonExperts(ExpertsBase):
             topk_weights=output_weights,
             quant=self.op_quant,
             w2_scale=weights["w2_scale"],
+            **lora,
         )
 
-    def add_lora_w2(
-        self,
-        y: torch.Tensor,
-        a: torch.Tensor,
-        output_weights: torch.Tensor | None,
-        topk_ids: torch.Tensor,
-        expert_map: torch.Tensor | None,
-        token_lora_mapping: torch.Tensor,
-    ) -> torch.Tensor:
-        """``y += g B2[l,e] (A2[l,e] a)`` in place on the slots with an adapter (g = 1 without ``output_weights``)."""
-        torch.ops.moe_ext.add_lora(y, a, self.lora.a2, self.lora.b2, topk_ids, token_lora_mapping,
-                                   expert_map=expert_map, topk_weights=output_weights)
-        return y
+    def _lora_args(self, gemm: int, token_lora_mapping: torch.Tensor | None) -> dict:
+        """The LoRA keyword arguments of GEMM 1 or 2 (none without a mapping)."""
+        if token_lora_mapping is None:
+            return {}
+        a, b = (self.lora.a13, self.lora.b13) if gemm == 1 else (self.lora.a2, self.lora.b2)
+        return {"lora_a": a, "lora_b": b, "token_lora_mapping": token_lora_mapping}
 
     def moe_sum(
         self,
@@ -200,9 +187,7 @@ class UnfusedOAITritonExperts(ExpertsBase):
         input_weights = topk_weights if apply_router_weight_on_input else None
         output_weights = None if apply_router_weight_on_input else topk_weights
 
-        h = self.gemm1(hidden_states, topk_ids, expert_map, input_weights)
-        if token_lora_mapping is not None:
-            h = self.add_lora_w13(h, hidden_states, input_weights, topk_ids, expert_map, token_lora_mapping)
+        h = self.gemm1(hidden_states, topk_ids, expert_map, input_weights, token_lora_mapping)
         S = M * topk
         a_shape = (S, N)
         a = (
@@ -211,9 +196,7 @@ class UnfusedOAITritonExperts(ExpertsBase):
             else torch.empty(a_shape, dtype=hidden_states.dtype, device=hidden_states.device)
         )
         a = self.apply_activation(h.reshape(S, 2 * N), a).view(M, topk, N)
-        y = self.gemm2(a, topk_ids, expert_map, output_weights)
-        if token_lora_mapping is not None:
-            y = self.add_lora_w2(y, a, output_weights, topk_ids, expert_map, token_lora_mapping)
+        y = self.gemm2(a, topk_ids, expert_map, output_weights, token_lora_mapping)
         if output is None:
             output = (
                 resize_workspace(workspace["output"], (M, K))

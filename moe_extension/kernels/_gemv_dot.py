@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, gemm1_epilogue, gemm1_weight_rows
+from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
 from moe_extension.kernels._weight_formats import acc_finish, dot_step, scale_rows, weight_advance, weight_ptrs
 
@@ -78,11 +79,15 @@ def gemv1_dot_kernel(
     P, topk, N_OUT, N_HALF, K, k_per_split, has_map, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
+    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr,
+    DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
-    [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``."""
+    [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
+    active pairs (``_lora.lora_rows_delta``), before the one rounding."""
+    tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     s = tl.program_id(2)
@@ -112,9 +117,14 @@ def gemv1_dot_kernel(
             h += tl.load(part_ptr + (ss * P * tiles + tile).to(tl.int64) * W_ROWS + c, cache_modifier=".cg")
     result = gemm1_epilogue(h[None, :], g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha,
                             limit, ACT, G_ON_A, BLOCK_N)
+    result = tl.reshape(result, (BLOCK_N,))
+    if LORA:
+        delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+                                        lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
+        result = tl.where(active, result + g * delta, result)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on,
-             tl.reshape(result, (BLOCK_N,)).to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)
+    tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),
+             mask=offs_n < N_OUT)
 
 
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "nslot", "has_map", "has_bias", "apply_weight",
@@ -124,11 +134,15 @@ def gemv2_dot_kernel(
     P, topk, nslot, N_OUT, K, k_per_split, has_map, has_bias, apply_weight,
     stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
+    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """out of gemm2 (module docstring): nslot = topk (SUM_SLOTS) or 1, SLOTS >= nslot a power of two; ``part``
-    [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1."""
+    [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1. LORA (per pair only):
+    plus ``g B[l, e] u[p]`` on the active pairs, as in ``gemv1_dot_kernel``."""
+    tl.static_assert(not LORA or not SUM_SLOTS, "the LoRA expand is fused per pair only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     s = tl.program_id(2)
@@ -175,6 +189,10 @@ def gemv2_dot_kernel(
     g_vec = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (slot0 + jj) * stride_gk,
                     mask=ok_vec & (jj < tl.where(apply_weight != 0, nslot, 0)), other=1.0).to(tl.float32)
     out = tl.sum(acc * tl.where(ok_vec, g_vec, 0.0)[:, None], axis=0)
+    if LORA:
+        delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+                                        lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
+        out = tl.where(active, out + tl.sum(g_vec, axis=0) * delta, out)
     offs_n = n0 + c
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on,
              out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)

@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_extension.kernels._launch import grid_dependency
+from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
 from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, quantize_fp8_groups,
                                                    scale_rows, weight_advance, weight_ptrs)
@@ -556,17 +557,21 @@ def gemv1_kernel(
     P, topk, N_OUT, N_HALF, K, has_map, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
+    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """Per pair p = program_id(1): out[p, n0:n0+BLOCK_N] as in gemm1 (rows of invalid pairs untouched; G_ON_A as
-    in ``_gemm1_block``).
+    in ``_gemm1_block``). LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the active pairs (``_lora.lora_rows_delta``,
+    the arguments from ``u_ptr`` on), before the one rounding.
 
     The weight tile is [rows, BLOCK_K]; products accumulate elementwise in a 2-D fp32 tile that is reduced
     over k once at the end (no cross-thread reduction inside the loop).
     NOTE: Triton software-pipelines loads that feed no tl.dot only in loops that carry their own
     num_stages (tl.range), hence NUM_STAGES on the loop.
     """
+    tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
     expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
@@ -596,6 +601,7 @@ def gemv1_kernel(
                                   BLOCK_K, WFMT, False)
     g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk, mask=router_on_input != 0,
                 other=1.0).to(tl.float32)
+    g_lora = g
     for kk in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
         if EVEN_K:
             x = tl.load(x_ptrs)
@@ -618,6 +624,10 @@ def gemv1_kernel(
     h += tl.load(b_base + wr * stride_bn, mask=wr < b_lim, other=0.0).to(tl.float32)
     if ACT == 0:
         result = h
+        if LORA:
+            delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+                                            lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
+            result = tl.where(active, h + g_lora * delta, h)
     elif ACT == 4:
         gate, up = tl.split(tl.reshape(h, (BLOCK_N, 2)))
         result = activate(gate, up, alpha, limit, ACT)
@@ -637,13 +647,15 @@ def gemv2_kernel(
     P, topk, nslot, N_OUT, K, has_map, has_bias, apply_weight,
     stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
+    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """SUM_SLOTS: program (n tile, token t) computes out[t, n] = sum_j valid (W2[e_j] a[t, j] + b2[e_j]) g_j
     (the topk sum fused; a fixed reduction order: deterministic; invalid slots add nothing). Otherwise
     program (n tile, pair p) computes out[t, j, n] for one pair (rows of invalid pairs untouched).
-    nslot = topk or 1 accordingly, SLOTS >= nslot a power of two.
+    nslot = topk or 1 accordingly, SLOTS >= nslot a power of two. LORA (per pair only): plus ``g B[l, e] u[p]``
+    on the active pairs (as in ``gemv1_kernel``).
 
     NOTE: every step streams the [SLOTS, BLOCK_N, BLOCK_K] weight tile of all the program's slots at once:
     per-slot expert pointers are computed once before the loop (no per-step slot bookkeeping: a first
@@ -694,5 +706,11 @@ def gemv2_kernel(
     b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))
     b = tl.load(b_ptrs, mask=b_ok, other=0.0).to(tl.float32)
     out += tl.sum(b * g_vec[:, None], axis=0)
+    if LORA:
+        tl.static_assert(not SUM_SLOTS, "the LoRA expand is fused per pair only")
+        delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+                                        lm_ptr, stride_lm, L, R, t * topk + slot0, t, tl.sum(e64, axis=0), wr,
+                                        BLOCK_R)
+        out = tl.where(active, out + tl.sum(g_vec, axis=0) * delta, out)
     o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)

@@ -8,8 +8,9 @@ for the active pairs (valid expert, adapter in [0, L)); the others are never tou
 fp32, one rounding per stored value of ``out``; no float atomics (bitwise reproducible).
 
 A pair's group is ``l * E + e`` (``slot_group``). Two schedules:
-- direct (a few pairs: decode): the shrink runs one program per (pair, tile of A's rows), the expand one per
-  (pair, column tile of B); each reads its own adapter tiles; fp32 products and sums.
+- direct (a few pairs: decode): the shrink runs one program per (pair, row of A), the expand one per (pair,
+  column tile of B), or a base GEMV adds it in its epilogue (``lora_rows_delta``); each reads its own adapter
+  tiles; fp32 products and sums.
 - grouped: ``lora_group_ids_kernel`` writes every pair's group (-1 inactive) and ``_routing.route`` sorts the
   pairs by group into blocks of ``BLOCK_M`` pairs of one group; a shrink program multiplies a block's rows by
   its group's A (read once per block, not per pair), an expand program a block's ``u`` by a column tile of
@@ -47,6 +48,24 @@ def slot_group(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has
     # Compared in the mapping's own dtype (an int64 id >= 2^31 must not wrap into range).
     active = valid & (adapter >= 0) & (adapter < L)
     return tl.where(active, tl.where(active, adapter, 0).to(tl.int32) * E + e, -1), active
+
+
+@triton.jit
+def lora_rows_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, stride_br, lora_ptr, stride_lm, L, R, p,
+                    t, expert, rows, BLOCK_R: tl.constexpr):
+    """The expand of one valid pair fused into a base GEMV's epilogue: ``B[l, e][rows] u[p]`` fp32 [ROWS] and
+    whether the pair is active (its token's adapter ``l`` in [0, L)); 0 for an inactive pair. ``u`` fp32 rows of
+    ``lora_shrink`` (``stride_up`` per pair), ``B [L, E, n, r]``."""
+    adapter = tl.load(lora_ptr + t.to(tl.int64) * stride_lm)
+    # Compared in the mapping's own dtype (an int64 id >= 2^31 must not wrap into range), as slot_group does.
+    active = (adapter >= 0) & (adapter < L)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < tl.where(active, R, 0)  # (not ``& active``: the interpreter rejects a block & scalar-bool mask)
+    u = tl.load(u_ptr + p.to(tl.int64) * stride_up + r, mask=r_ok, other=0.0)
+    b_rows = b_ptr + tl.where(active, adapter, 0).to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    b = tl.load(b_rows + rows.to(tl.int64)[:, None] * stride_bn + r[None, :] * stride_br, mask=r_ok[None, :],
+                other=0.0)
+    return tl.sum(b.to(tl.float32) * u[None, :], axis=1), active
 
 
 @triton.jit

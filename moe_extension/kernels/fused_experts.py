@@ -58,6 +58,7 @@ from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
 from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WFMT_MXFP4_MMA, WeightOperand
+from moe_extension.kernels.lora import FusedExpand, add_lora_triton, expand_epilogue_args, lora_shrink_triton
 
 
 def _dot_precision(dtype: torch.dtype, w: WeightOperand | None = None) -> str:
@@ -328,9 +329,12 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
     return torch.zeros((max(1, n),), dtype=torch.int32, device=device)
 
 
-def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None):
+def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
+           lora: FusedExpand | None = None):
     """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (MXFP4 in the MMA layout):
-    ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here)."""
+    ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
+    the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``)."""
+    lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
     M, topk = topk_ids.shape
@@ -351,10 +355,10 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             M * topk, topk, n_out, two_n // 2, K, per_split, int(has_map), int(bias is not None),
             int(weights is not None), x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
             out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-            _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
+            _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit), *lora_args,
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
-            G_ON_A=weights is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            G_ON_A=weights is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
         )
         return
     grid = (triton.cdiv(n_out, cfg.block_n), M * topk)
@@ -364,16 +368,18 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
         M * topk, topk, n_out, two_n // 2, K, int(has_map), int(bias is not None), int(weights is not None),
         x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-        _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit),
+        _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit), *lora_args,
         ACT=act, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         WFMT=w1.fmt, PTX=_ptx(x.device), G_ON_A=weights is not None and not w1.dense, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **lora_flags,
     )
 
 
-def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, counters=None):
-    """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]. ``counters``: as in
-    ``_gemv1`` (``_gemv2_dot_counters``)."""
+def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, counters=None,
+           lora: FusedExpand | None = None):
+    """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]. ``counters`` and ``lora``
+    (not with sum_slots): as in ``_gemv1`` (``_gemv2_dot_counters``)."""
+    lora_args, lora_flags = expand_epilogue_args(lora, out)
     w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
     M, topk = topk_ids.shape
@@ -397,10 +403,10 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
             expert_map.numel() if has_map else E, E, M * topk, topk, nslot, K, N, per_split, int(has_map),
             int(bias is not None), int(weights is not None), a.stride(0), a.stride(1), a.stride(2), *w2.strides,
             _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on, topk_ids.stride(0),
-            topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1),
+            topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), *lora_args,
             SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
         )
         return
     # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
@@ -413,10 +419,10 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
         M * topk, topk, topk if sum_slots else 1, K, N, int(has_map), int(bias is not None),
         int(weights is not None), a.stride(0), a.stride(1), a.stride(2), *w2.strides,
         _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on,
-        topk_ids.stride(0), topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1),
+        topk_ids.stride(0), topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), *lora_args,
         SUM_SLOTS=sum_slots, SLOTS=slots, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         NUM_STAGES=cfg.num_stages, WFMT=w2.fmt, PTX=_ptx(a.device), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **lora_flags,
     )
 
 
@@ -502,9 +508,12 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
 def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids: torch.Tensor, *,
                         w1_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
                         topk_weights: torch.Tensor | None = None, quant: str = "none",
-                        w1_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+                        w1_scale: torch.Tensor | None = None, lora_a: torch.Tensor | None = None,
+                        lora_b: torch.Tensor | None = None, token_lora_mapping: torch.Tensor | None = None,
+                        config: MoeConfig | None = None) -> torch.Tensor:
     """h [M, topk, 2N] = W1[e] (g x or x) + b1[e]; rows of invalid slots are 0. quant: "none", "mxfp4" or
-    "fp8_block" (x, or g x, quantized as in ``fused_experts_triton``)."""
+    "fp8_block" (x, or g x, quantized as in ``fused_experts_triton``). With ``lora_a`` / ``lora_b`` /
+    ``token_lora_mapping``: plus ``g B[l, e] (A[l, e] x)`` on the active pairs (``_lora_term``)."""
     M, K = hidden_states.shape
     w1 = WeightOperand(w1, w1_scale, quant)
     E, two_n, _ = w1.shape
@@ -519,8 +528,9 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     pdl = pdl_capable(dev)
     with device_guard(dev):
         if cfg.path == "direct":
+            fused = _fused_expand(hidden_states, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map)
             _gemv1(hidden_states, w1, w1_bias, h_rows, topk_ids, expert_map, kern.ACT_NONE, topk_weights, 0.0, 0.0,
-                   cfg.gemm1)
+                   cfg.gemm1, lora=fused)
         else:
             x, x_scale = hidden_states, None
             if w1.fmt == WFMT_FP8_BLOCK and topk_weights is None:
@@ -528,15 +538,35 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
             routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
             _gemm1_sorted(x, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights, 0.0, 0.0,
                           cfg.gemm1, pdl, x_scale=x_scale)
+            if lora_a is not None:
+                add_lora_triton(h, hidden_states, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map=expert_map,
+                                topk_weights=topk_weights)
     return h
+
+
+def _fused_expand(x, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map) -> FusedExpand | None:
+    """The LoRA term of a direct-schedule GEMM (None without adapters): ``u = A[l, e] x`` per pair now (one shrink
+    launch), its expand added in the GEMV's epilogue, before the one rounding.
+    NOTE: against ``add_lora`` after the GEMV (a shrink and an expand launch per term, the expand re-reading and
+    re-writing the GEMV's output), H100, ``UnfusedOAITritonExperts`` with 4 adapters at M = 1, over the same call
+    without LoRA (``python benchmarks/bench_lora.py --tokens 1``, column ratio): rank 16 1.243 -> 1.156
+    (gpt-oss-20b), 1.235 -> 1.170 (gpt-oss-120b); rank 64 1.250 -> 1.195, 1.246 -> 1.194 (this change alone; the
+    one-row shrink of ``kernels.lora._shrink`` came after)."""
+    if lora_a is None:
+        return None
+    u = lora_shrink_triton(x, lora_a, topk_ids, token_lora_mapping, expert_map=expert_map)
+    return FusedExpand(u, lora_b, token_lora_mapping)
 
 
 def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, *,
                         w2_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
                         topk_weights: torch.Tensor | None = None, quant: str = "none",
-                        w2_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+                        w2_scale: torch.Tensor | None = None, lora_a: torch.Tensor | None = None,
+                        lora_b: torch.Tensor | None = None, token_lora_mapping: torch.Tensor | None = None,
+                        config: MoeConfig | None = None) -> torch.Tensor:
     """y [M, topk, K] = (W2[e] a + b2[e]) (times g when topk_weights is given); rows of invalid slots are 0.
-    quant: "none", "mxfp4" or "fp8_block" (``intermediate`` quantized per row per 128 columns as it is loaded)."""
+    quant: "none", "mxfp4" or "fp8_block" (``intermediate`` quantized per row per 128 columns as it is loaded).
+    LoRA as in ``expert_gemm1_triton``: plus ``g B[l, e] (A[l, e] a)`` on the active pairs."""
     M, topk, N = intermediate.shape
     w2 = WeightOperand(w2, w2_scale, quant)
     E, K, _ = w2.shape
@@ -550,9 +580,13 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
     pdl = pdl_capable(dev)
     with device_guard(dev):
         if config.path == "direct":
-            _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2)
+            fused = _fused_expand(intermediate, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map)
+            _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2, lora=fused)
         else:
             routing = route(topk_ids, E, config.block_m, expert_map, pdl=pdl)
             _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2,
                           pdl)
+            if lora_a is not None:
+                add_lora_triton(y, intermediate, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map=expert_map,
+                                topk_weights=topk_weights)
     return y

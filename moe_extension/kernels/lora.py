@@ -9,7 +9,9 @@ strides. Sizes come from shapes only, every launch goes to the current stream: c
 
 Schedule (``lora_plan``), P = M * topk pairs: direct for P <= ``DIRECT_MAX_PAIRS`` (no grouping: 1 launch per
 shrink or expand), grouped above (2 to 4 launches of grouping, then 1 per shrink or expand). ``add_lora``
-groups once for its shrink and expand and keeps ``u`` in sorted order between them.
+groups once for its shrink and expand and keeps ``u`` in sorted order between them. ``FusedExpand``: a direct
+shrink's ``u`` handed to a base GEMV that adds the expand in its epilogue (``expert_gemm1`` / ``expert_gemm2`` with
+LoRA at decode, ``fused_experts._fused_expand``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,26 @@ class LoraPlan(NamedTuple):
     num_pairs: int
     topk: int
     num_experts: int
+
+
+class FusedExpand(NamedTuple):
+    """A LoRA expand that a base GEMV adds in its epilogue (``_lora.lora_rows_delta``): ``u [M, topk, r]`` fp32 from
+    ``lora_shrink_triton``, ``lora_b [L, E, n, r]`` and ``token_lora_mapping [M]``."""
+
+    u: torch.Tensor
+    lora_b: torch.Tensor
+    token_lora_mapping: torch.Tensor
+
+
+def expand_epilogue_args(fused: FusedExpand | None, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The LoRA arguments of the GEMV kernels (from ``u_ptr`` on) and their constexprs; ``dummy`` fills the pointer
+    slots when ``fused`` is None (LORA off)."""
+    if fused is None:
+        return (dummy, 0, dummy, 0, 0, 0, 0, dummy, 0, 0, 0), dict(LORA=False, BLOCK_R=1)
+    u, b, mapping = fused
+    R = b.shape[3]
+    return ((u, u.stride(-2), b, *b.stride(), mapping, mapping.stride(0), b.shape[0], R),
+            dict(LORA=True, BLOCK_R=triton.next_power_of_2(R)))
 
 
 def lora_block_m(num_pairs: int, num_groups: int) -> int:
@@ -109,11 +131,14 @@ def _shrink(plan: LoraPlan, x, lora_a, u, sorted_out: bool) -> None:
     R, K = lora_a.shape[2], lora_a.shape[3]
     x_args = (x, *_x_strides(x), lora_a, *lora_a.stride(), u, u.stride(-2))
     if plan.schedule == "direct":
-        # A's rows in tiles of 16 K elements, as wide as K allows: a decode program loads its tile in one step.
-        block_k = min(4096, triton.next_power_of_2(K))
-        block_r = min(triton.next_power_of_2(R), max(1, 16384 // block_k))
-        kern.lora_shrink_direct_kernel[(plan.num_pairs, triton.cdiv(R, block_r))](
-            *x_args, *plan.slot_args, R, K, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        # One row of A per program, in steps of up to 4096 columns: at decode a program loads its row in one step.
+        # NOTE: H100, UnfusedOAITritonExperts on gpt-oss-20b (bf16) at M = 1 with 4 adapters, against the call
+        # without LoRA: rank 16 1.166 -> 1.105, rank 64 1.201 -> 1.138 with one row per program instead of 4 (16
+        # programs at rank 16); 2 rows 1.109; 1 warp or 1024-column steps 1.115-1.117. Measured
+        # by a sweep that replaced this launch around CUDA-graph timings of the class (harness.time_graph_us); the
+        # product has no switch for it (its figure: python benchmarks/bench_lora.py --tokens 1).
+        kern.lora_shrink_direct_kernel[(plan.num_pairs, R)](
+            *x_args, *plan.slot_args, R, K, BLOCK_R=1, BLOCK_K=min(4096, triton.next_power_of_2(K)), num_warps=4)
         return
     routing = plan.routing
     block_r = max(16, triton.next_power_of_2(R))

@@ -2,13 +2,19 @@
 ``fused_experts`` shares with them (argument validation: ``arg_checks``).
 
 ``moe_ext::expert_gemm1(hidden_states [M, K], w1 [E, 2N, K], topk_ids [M, topk], *, w1_bias [E, 2N] fp32,
-expert_map [E_global] int32, topk_weights [M, topk] fp32, quant, w1_scale)`` -> ``h [M, topk, 2N]`` in
-``hidden_states.dtype``: ``h[t, j] = W1[e] x' + b1[e]`` with ``x' = g * x`` when ``topk_weights`` is given
-(apply_router_weight_on_input), else ``x``.
+expert_map [E_global] int32, topk_weights [M, topk] fp32, quant, w1_scale, lora_a, lora_b, token_lora_mapping)``
+-> ``h [M, topk, 2N]`` in ``hidden_states.dtype``: ``h[t, j] = W1[e] x' + b1[e]`` with ``x' = g * x`` when
+``topk_weights`` is given (apply_router_weight_on_input), else ``x``.
 
 ``moe_ext::expert_gemm2(intermediate [M, topk, N], w2 [E, K, N], topk_ids, *, w2_bias [E, K] fp32,
-expert_map, topk_weights, quant, w2_scale)`` -> ``y [M, topk, K]`` in ``intermediate.dtype``:
-``y[t, j] = W2[e] a[t, j] + b2[e]``, times ``g`` when ``topk_weights`` is given.
+expert_map, topk_weights, quant, w2_scale, lora_a, lora_b, token_lora_mapping)`` -> ``y [M, topk, K]`` in
+``intermediate.dtype``: ``y[t, j] = W2[e] a[t, j] + b2[e]``, times ``g`` when ``topk_weights`` is given.
+
+LoRA (all three or none): ``lora_a [L, E, r, in]``, ``lora_b [L, E, out, r]``, ``token_lora_mapping [M]``
+(``moe_extension.ops.lora``) add ``g B[l, e] (A[l, e] x)`` to the active pairs' rows (``x``: the GEMM's input,
+unscaled; g as above, 1 without ``topk_weights``), the rows of the other pairs bit for bit as without LoRA.
+On CUDA's direct schedule (decode) the expand runs in the GEMV's epilogue, before its one rounding; elsewhere it is
+``add_lora`` on the rounded output (a second rounding).
 
 Both: ``e`` is the local expert of slot ``(t, j)`` (through ``expert_map`` when given); invalid slots give
 rows of exactly 0; math in fp32, one rounding at the end. Weight layouts per ``quant``:
@@ -30,7 +36,8 @@ from moe_extension.quant.fp8_block import dequantize_fp8_block, fake_quantize_fp
 from moe_extension.quant.mxfp4 import dequantize_mxfp4
 from moe_extension.quant.mxfp4_mma import dequantize_mxfp4_mma
 
-def check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale):
+def check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale, lora_a=None,
+                       lora_b=None, token_lora_mapping=None):
     """Validates expert_gemm1's arguments; returns (M, topk, 2N)."""
     c = ArgChecker("expert_gemm1", "hidden_states", hidden_states)
     c.name("quant", quant, QUANT_FORMATS)
@@ -45,10 +52,12 @@ def check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_we
     c.bias("w1_bias", w1_bias, "[E, 2N]", (e, rows))
     c.expert_map(expert_map)
     c.routing(topk_ids, topk_weights, m)
+    _check_lora(c, hidden_states, lora_a, lora_b, token_lora_mapping, e, rows, m)
     return m, topk_ids.shape[1], rows
 
 
-def check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale):
+def check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale, lora_a=None,
+                       lora_b=None, token_lora_mapping=None):
     """Validates expert_gemm2's arguments; returns (M, topk, K)."""
     c = ArgChecker("expert_gemm2", "intermediate", intermediate)
     c.name("quant", quant, QUANT_FORMATS)
@@ -63,7 +72,21 @@ def check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_wei
     c.bias("w2_bias", w2_bias, "[E, K]", (e, k))
     c.expert_map(expert_map)
     c.routing(topk_ids, topk_weights, m, topk)
+    _check_lora(c, intermediate, lora_a, lora_b, token_lora_mapping, e, k, m)
     return m, topk, k
+
+
+def _check_lora(c: ArgChecker, x, lora_a, lora_b, token_lora_mapping, num_experts: int, rows: int, m: int) -> None:
+    """The optional LoRA term of either GEMM: all three arguments or none (``ops.lora.check_lora_term``)."""
+    given = [t is not None for t in (lora_a, lora_b, token_lora_mapping)]
+    torch._check(all(given) or not any(given), lambda: (
+        f"{c.op}: lora_a, lora_b and token_lora_mapping go together (all three or none), got "
+        + ", ".join(f"{n}={'a tensor' if g else 'None'}" for n, g in zip(("lora_a", "lora_b", "token_lora_mapping"),
+                                                                        given))))
+    if lora_a is not None:
+        from moe_extension.ops.lora import check_lora_term
+
+        check_lora_term(c, x, lora_a, lora_b, token_lora_mapping, num_experts, rows, m)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -159,9 +182,11 @@ class ExpertWeights:
 
 
 def expert_gemm1_torch(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=None, topk_weights=None,
-                       quant="none", w1_scale=None) -> torch.Tensor:
-    """PyTorch implementation of expert_gemm1 (any device): ``[M, topk, 2N]`` in ``hidden_states.dtype``."""
-    m, topk, rows = check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale)
+                       quant="none", w1_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None) -> torch.Tensor:
+    """PyTorch implementation of expert_gemm1 (any device): ``[M, topk, 2N]`` in ``hidden_states.dtype``; the LoRA
+    term added to the rounded GEMM output by ``add_lora_torch``."""
+    m, topk, rows = check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale,
+                                       lora_a, lora_b, token_lora_mapping)
     out = torch.zeros((m * topk, rows), dtype=torch.float32, device=hidden_states.device)
     weights = ExpertWeights(w1, w1_scale, w1_bias, quant)
     x = hidden_states.float()
@@ -171,13 +196,16 @@ def expert_gemm1_torch(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=
         if g is not None:
             xe = xe * g[slots, None]
         out[slots] = weights.linear(e, weights.gemm_input(xe))
-    return out.view(m, topk, rows).to(hidden_states.dtype)
+    h = out.view(m, topk, rows).to(hidden_states.dtype)
+    return _with_lora(h, hidden_states, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
 
 
 def expert_gemm2_torch(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=None, topk_weights=None,
-                       quant="none", w2_scale=None) -> torch.Tensor:
-    """PyTorch implementation of expert_gemm2 (any device): ``[M, topk, K]`` in ``intermediate.dtype``."""
-    m, topk, k = check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale)
+                       quant="none", w2_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None) -> torch.Tensor:
+    """PyTorch implementation of expert_gemm2 (any device): ``[M, topk, K]`` in ``intermediate.dtype``; LoRA as in
+    ``expert_gemm1_torch``."""
+    m, topk, k = check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale,
+                                    lora_a, lora_b, token_lora_mapping)
     out = torch.zeros((m * topk, k), dtype=torch.float32, device=intermediate.device)
     weights = ExpertWeights(w2, w2_scale, w2_bias, quant)
     a = intermediate.reshape(m * topk, intermediate.shape[2])
@@ -185,7 +213,17 @@ def expert_gemm2_torch(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=N
     for e, slots in group_by_expert(topk_ids, expert_map, w2.shape[0]):
         y = weights.linear(e, weights.gemm_input(a[slots].float()))
         out[slots] = y if g is None else y * g[slots, None]
-    return out.view(m, topk, k).to(intermediate.dtype)
+    y = out.view(m, topk, k).to(intermediate.dtype)
+    return _with_lora(y, intermediate, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
+
+
+def _with_lora(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights) -> torch.Tensor:
+    if lora_a is not None:
+        from moe_extension.ops.lora import add_lora_torch
+
+        add_lora_torch(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map=expert_map,
+                       topk_weights=topk_weights)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -195,26 +233,30 @@ def expert_gemm2_torch(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=N
 torch.library.define(
     "moe_ext::expert_gemm1",
     "(Tensor hidden_states, Tensor w1, Tensor topk_ids, *, Tensor? w1_bias=None, Tensor? expert_map=None, "
-    'Tensor? topk_weights=None, str quant="none", Tensor? w1_scale=None) -> Tensor',
+    'Tensor? topk_weights=None, str quant="none", Tensor? w1_scale=None, Tensor? lora_a=None, Tensor? lora_b=None, '
+    "Tensor? token_lora_mapping=None) -> Tensor",
 )
 torch.library.define(
     "moe_ext::expert_gemm2",
     "(Tensor intermediate, Tensor w2, Tensor topk_ids, *, Tensor? w2_bias=None, Tensor? expert_map=None, "
-    'Tensor? topk_weights=None, str quant="none", Tensor? w2_scale=None) -> Tensor',
+    'Tensor? topk_weights=None, str quant="none", Tensor? w2_scale=None, Tensor? lora_a=None, Tensor? lora_b=None, '
+    "Tensor? token_lora_mapping=None) -> Tensor",
 )
 
 
 @torch.library.register_fake("moe_ext::expert_gemm1")
 def _expert_gemm1_fake(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=None, topk_weights=None,
-                       quant="none", w1_scale=None):
-    m, topk, rows = check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale)
+                       quant="none", w1_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None):
+    m, topk, rows = check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant,
+                                       w1_scale, lora_a, lora_b, token_lora_mapping)
     return hidden_states.new_empty((m, topk, rows))
 
 
 @torch.library.register_fake("moe_ext::expert_gemm2")
 def _expert_gemm2_fake(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=None, topk_weights=None,
-                       quant="none", w2_scale=None):
-    m, topk, k = check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale)
+                       quant="none", w2_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None):
+    m, topk, k = check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale,
+                                    lora_a, lora_b, token_lora_mapping)
     return intermediate.new_empty((m, topk, k))
 
 
@@ -224,39 +266,47 @@ torch.library.impl("moe_ext::expert_gemm2", "cpu")(expert_gemm2_torch)
 
 @torch.library.impl("moe_ext::expert_gemm1", "cuda")
 def _expert_gemm1_cuda(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=None, topk_weights=None,
-                       quant="none", w1_scale=None):
+                       quant="none", w1_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None):
     if quant not in TRITON_QUANT:
         return expert_gemm1_torch(hidden_states, w1, topk_ids, w1_bias=w1_bias, expert_map=expert_map,
-                                  topk_weights=topk_weights, quant=quant, w1_scale=w1_scale)
-    check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale)
+                                  topk_weights=topk_weights, quant=quant, w1_scale=w1_scale, lora_a=lora_a,
+                                  lora_b=lora_b, token_lora_mapping=token_lora_mapping)
+    check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale, lora_a, lora_b,
+                       token_lora_mapping)
     from moe_extension.kernels import expert_gemm1_triton
 
     return expert_gemm1_triton(hidden_states, w1, topk_ids, w1_bias=w1_bias, expert_map=expert_map,
-                               topk_weights=topk_weights, quant=quant, w1_scale=w1_scale)
+                               topk_weights=topk_weights, quant=quant, w1_scale=w1_scale, lora_a=lora_a,
+                               lora_b=lora_b, token_lora_mapping=token_lora_mapping)
 
 
 @torch.library.impl("moe_ext::expert_gemm2", "cuda")
 def _expert_gemm2_cuda(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=None, topk_weights=None,
-                       quant="none", w2_scale=None):
+                       quant="none", w2_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None):
     if quant not in TRITON_QUANT:
         return expert_gemm2_torch(intermediate, w2, topk_ids, w2_bias=w2_bias, expert_map=expert_map,
-                                  topk_weights=topk_weights, quant=quant, w2_scale=w2_scale)
-    check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale)
+                                  topk_weights=topk_weights, quant=quant, w2_scale=w2_scale, lora_a=lora_a,
+                                  lora_b=lora_b, token_lora_mapping=token_lora_mapping)
+    check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_weights, quant, w2_scale, lora_a, lora_b,
+                       token_lora_mapping)
     from moe_extension.kernels import expert_gemm2_triton
 
     return expert_gemm2_triton(intermediate, w2, topk_ids, w2_bias=w2_bias, expert_map=expert_map,
-                               topk_weights=topk_weights, quant=quant, w2_scale=w2_scale)
+                               topk_weights=topk_weights, quant=quant, w2_scale=w2_scale, lora_a=lora_a,
+                               lora_b=lora_b, token_lora_mapping=token_lora_mapping)
 
 
 def expert_gemm1(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=None, topk_weights=None,
-                 quant="none", w1_scale=None) -> torch.Tensor:
+                 quant="none", w1_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None) -> torch.Tensor:
     """``torch.ops.moe_ext.expert_gemm1``: ``h [M, topk, 2N]`` (see the module docstring)."""
     return torch.ops.moe_ext.expert_gemm1(hidden_states, w1, topk_ids, w1_bias=w1_bias, expert_map=expert_map,
-                                          topk_weights=topk_weights, quant=quant, w1_scale=w1_scale)
+                                          topk_weights=topk_weights, quant=quant, w1_scale=w1_scale, lora_a=lora_a,
+                                          lora_b=lora_b, token_lora_mapping=token_lora_mapping)
 
 
 def expert_gemm2(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=None, topk_weights=None,
-                 quant="none", w2_scale=None) -> torch.Tensor:
+                 quant="none", w2_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None) -> torch.Tensor:
     """``torch.ops.moe_ext.expert_gemm2``: ``y [M, topk, K]`` (see the module docstring)."""
     return torch.ops.moe_ext.expert_gemm2(intermediate, w2, topk_ids, w2_bias=w2_bias, expert_map=expert_map,
-                                          topk_weights=topk_weights, quant=quant, w2_scale=w2_scale)
+                                          topk_weights=topk_weights, quant=quant, w2_scale=w2_scale, lora_a=lora_a,
+                                          lora_b=lora_b, token_lora_mapping=token_lora_mapping)

@@ -64,6 +64,16 @@ def _check_slots(c: ArgChecker, topk_ids, token_lora_mapping, expert_map, topk_w
     c.expert_map(expert_map)
 
 
+def check_lora_term(c: ArgChecker, x, lora_a, lora_b, token_lora_mapping, num_experts: int, rows: int, m: int) -> None:
+    """The LoRA term of ``expert_gemm1`` / ``expert_gemm2`` (``x``: the GEMM's input, ``rows``: its output columns):
+    ``lora_a [L, E, r, x's last dim]``, ``lora_b [L, E, rows, r]`` over the GEMM's E local experts,
+    ``token_lora_mapping [M]``."""
+    _check_adapter(c, "lora_a", lora_a, "[L, E, r, K]", E=num_experts, cols=x.shape[-1])
+    L, E, r = lora_a.shape[:3]
+    _check_adapter(c, "lora_b", lora_b, "[L, E, n, r]", L=L, E=E, rows=rows, cols=r)
+    c.tensor("token_lora_mapping", token_lora_mapping, ID_DTYPES, "[M]", (m,))
+
+
 def check_lora_shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map):
     """Validates lora_shrink's arguments; returns (M, topk, r)."""
     c = ArgChecker("lora_shrink", "x", x)
