@@ -10,8 +10,8 @@ Per (model, M, rank, share of tokens with an adapter: all / half): ``base_us`` (
 (A2 a); ``--schedule`` forces the kernels' schedule there) and ``lora_floor_us``: the bytes the two LoRA terms
 must move (x and a read, h and y read and written, the adapters of the (adapter, expert) groups hit read once)
 over the copy bandwidth measured in the same run.
-Correctness (M 1 and 64 per model and rank): the output with LoRA against the same class whose two LoRA steps
-run the PyTorch implementation (``add_lora_torch``), relative error <= 1e-2. Writes ``lora_<gpu>.json``;
+Correctness (M 1 and 64 per model and rank): the output with LoRA against the same class whose GEMM steps add
+their LoRA terms with the PyTorch implementation (``add_lora_torch``), relative error <= 1e-2. Writes ``lora_<gpu>.json``;
 ``benchmarks/plot_lora.py`` charts it.
 """
 
@@ -66,20 +66,25 @@ def lora_floor_bytes(M, topk, E, K, N, r, L, mapping, ids) -> int:
 
 
 class TorchLoRA:
-    """Mixin: the two LoRA steps through the PyTorch implementation (the benchmark's correctness reference)."""
+    """Mixin: the GEMM steps without their LoRA terms, then ``add_lora_torch`` on their outputs (the PyTorch
+    implementation: the benchmark's correctness reference)."""
 
-    def add_lora_w13(self, h, hidden_states, input_weights, topk_ids, expert_map, mapping):
+    def gemm1(self, hidden_states, topk_ids, expert_map, input_weights, token_lora_mapping=None):
         from moe_extension.ops.lora import add_lora_torch
 
-        add_lora_torch(h, hidden_states, self.lora.a13, self.lora.b13, topk_ids, mapping, expert_map=expert_map,
-                       topk_weights=input_weights)
+        h = super().gemm1(hidden_states, topk_ids, expert_map, input_weights)
+        if token_lora_mapping is not None:
+            add_lora_torch(h, hidden_states, self.lora.a13, self.lora.b13, topk_ids, token_lora_mapping,
+                           expert_map=expert_map, topk_weights=input_weights)
         return h
 
-    def add_lora_w2(self, y, a, output_weights, topk_ids, expert_map, mapping):
+    def gemm2(self, a, topk_ids, expert_map, output_weights, token_lora_mapping=None):
         from moe_extension.ops.lora import add_lora_torch
 
-        add_lora_torch(y, a, self.lora.a2, self.lora.b2, topk_ids, mapping, expert_map=expert_map,
-                       topk_weights=output_weights)
+        y = super().gemm2(a, topk_ids, expert_map, output_weights)
+        if token_lora_mapping is not None:
+            add_lora_torch(y, a, self.lora.a2, self.lora.b2, topk_ids, token_lora_mapping, expert_map=expert_map,
+                           topk_weights=output_weights)
         return y
 
 

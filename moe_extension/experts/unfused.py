@@ -19,8 +19,8 @@ g * gemm2(a) + g * (B2 A2 a), so the base GEMM keeps applying g itself and the s
 keep its result bit for bit. With ``apply_router_weight_on_input`` the first GEMM and the first LoRA
 term both see g * x. LoRA math runs in fp32; on CUDA at decode the GEMVs add the expand in their epilogue (one
 rounding), otherwise ``add_lora`` adds it to the rounded GEMM output (``moe_extension.ops.expert_gemm``). Under
-CUDA graphs,
-change adapters in place (``copy_`` into the attached tensors) and the mapping in its captured buffer: no recapture.
+CUDA graphs, change adapters in place (``copy_`` into the attached tensors) and the mapping in its captured buffer:
+no recapture.
 """
 
 from __future__ import annotations

@@ -662,6 +662,7 @@ def gemv2_kernel(
     version that walked (slot, k) steps one slot at a time spent ~140 instructions and 5 barriers per 8
     weight elements per thread), invalid slots are masked rows that load nothing.
     """
+    tl.static_assert(not LORA or not SUM_SLOTS, "the LoRA expand is fused per pair only")
     pid_n = tl.program_id(0)
     if SUM_SLOTS:
         t = tl.program_id(1)
@@ -707,7 +708,6 @@ def gemv2_kernel(
     b = tl.load(b_ptrs, mask=b_ok, other=0.0).to(tl.float32)
     out += tl.sum(b * g_vec[:, None], axis=0)
     if LORA:
-        tl.static_assert(not SUM_SLOTS, "the LoRA expand is fused per pair only")
         delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
                                         lm_ptr, stride_lm, L, R, t * topk + slot0, t, tl.sum(e64, axis=0), wr,
                                         BLOCK_R)
