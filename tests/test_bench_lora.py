@@ -34,8 +34,12 @@ def test_reference_class_adds_both_terms_through_pytorch(monkeypatch):
     calls, handed = [], []
     real_add, real_args = ops_lora.add_lora_torch, UnfusedOAITritonExperts._lora_args
     monkeypatch.setattr(ops_lora, "add_lora_torch", lambda *a, **k: calls.append(a[2].shape) or real_add(*a, **k))
-    monkeypatch.setattr(UnfusedOAITritonExperts, "_lora_args",
-                        lambda self, gemm, mapping: handed.append(mapping is not None) or real_args(self, gemm, mapping))
+
+    def lora_args(self, gemm, mapping):
+        handed.append(mapping is not None)
+        return real_args(self, gemm, mapping)
+
+    monkeypatch.setattr(UnfusedOAITritonExperts, "_lora_args", lora_args)
     out = reference.apply(x, weights, ids, token_lora_mapping=mapping)
     assert handed == [False, False], "the GEMM ops of the reference get no adapters (on CUDA they run the kernels)"
     assert calls == [lora.a13.shape, lora.a2.shape], "both terms through add_lora_torch, once each"
