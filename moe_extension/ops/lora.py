@@ -64,13 +64,17 @@ def _check_slots(c: ArgChecker, topk_ids, token_lora_mapping, expert_map, topk_w
     c.expert_map(expert_map)
 
 
-def check_lora_term(c: ArgChecker, x, lora_a, lora_b, token_lora_mapping, num_experts: int, rows: int, m: int) -> None:
-    """The LoRA term of ``expert_gemm1`` / ``expert_gemm2`` (``x``: the GEMM's input, ``rows``: its output columns):
-    ``lora_a [L, E, r, x's last dim]``, ``lora_b [L, E, rows, r]`` over the GEMM's E local experts,
-    ``token_lora_mapping [M]``."""
-    _check_adapter(c, "lora_a", lora_a, "[L, E, r, K]", E=num_experts, cols=x.shape[-1])
+def _check_adapter_pair(c: ArgChecker, x, lora_a, lora_b, rows: int, **a_fixed) -> None:
+    """``lora_a [L, E, r, x's last dim]`` and ``lora_b [L, E, rows, r]`` of the same L, E and r."""
+    _check_adapter(c, "lora_a", lora_a, "[L, E, r, K]", cols=x.shape[-1], **a_fixed)
     L, E, r = lora_a.shape[:3]
     _check_adapter(c, "lora_b", lora_b, "[L, E, n, r]", L=L, E=E, rows=rows, cols=r)
+
+
+def check_lora_term(c: ArgChecker, x, lora_a, lora_b, token_lora_mapping, num_experts: int, rows: int, m: int) -> None:
+    """The LoRA term of ``expert_gemm1`` / ``expert_gemm2`` (``x``: the GEMM's input, ``rows``: its output columns):
+    the adapter pair over the GEMM's E local experts and ``token_lora_mapping [M]``."""
+    _check_adapter_pair(c, x, lora_a, lora_b, rows, E=num_experts)
     c.tensor("token_lora_mapping", token_lora_mapping, ID_DTYPES, "[M]", (m,))
 
 
@@ -101,9 +105,7 @@ def check_add_lora(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, expert_
         c.tensor("x", x, FLOAT_DTYPES, "[M, topk, K]", (m, topk, x.shape[2]))
     else:
         c.tensor("x", x, FLOAT_DTYPES, "[M, K]", (m, x.shape[1]))
-    _check_adapter(c, "lora_a", lora_a, "[L, E, r, K]", cols=x.shape[-1])
-    L, E, r = lora_a.shape[:3]
-    _check_adapter(c, "lora_b", lora_b, "[L, E, n, r]", L=L, E=E, rows=n, cols=r)
+    _check_adapter_pair(c, x, lora_a, lora_b, n)
     _check_slots(c, topk_ids, token_lora_mapping, expert_map, topk_weights, m, topk)
 
 
