@@ -10,7 +10,8 @@ fp32, one rounding per stored value of ``out``; no float atomics (bitwise reprod
 A pair's group is ``l * E + e`` (``slot_group``). Two schedules:
 - direct (a few pairs: decode): the shrink runs one program per (pair, row of A), the expand one per (pair,
   column tile of B), or a base GEMV adds it in its epilogue (``lora_rows_delta``); each reads its own adapter
-  tiles; fp32 products and sums.
+  tiles; fp32 products and sums. A base sorted GEMM adds the expand of its tile's pairs in its epilogue
+  (``lora_tile_delta``: one masked dot per adapter in the tile).
 - grouped: ``lora_group_ids_kernel`` writes every pair's group (-1 inactive) and ``_routing.route`` sorts the
   pairs by group into blocks of ``BLOCK_M`` pairs of one group; a shrink program multiplies a block's rows by
   its group's A (read once per block, not per pair), an expand program a block's ``u`` by a column tile of
@@ -66,6 +67,39 @@ def lora_rows_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, st
     b = tl.load(b_rows + rows.to(tl.int64)[:, None] * stride_bn + r[None, :] * stride_br, mask=r_ok[None, :],
                 other=0.0)
     return tl.sum(b.to(tl.float32) * u[None, :], axis=1), active
+
+
+@triton.jit
+def lora_tile_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, stride_br, lora_ptr, stride_lm, L, R,
+                    pair, row_ok, token, expert, rows, BLOCK_R: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    """The expand of a sorted GEMM tile fused into its epilogue: ``delta [BM, ROWS]`` fp32, row i =
+    ``B[l_i, e][rows] u[pair_i]``, and which rows are active (``row_ok`` and their token's adapter ``l_i`` in
+    [0, L)); inactive rows 0. The tile's pairs share the expert ``e`` but not the adapter: one masked dot per
+    adapter present in the tile (``[BM, r] @ [r, ROWS]``, adapters absent from the tile skipped), B read once per
+    tile. SPLIT_BF16 (bf16 B on the GPU): ``u``'s high and low bf16 parts against B on tensor cores (16 bits of u's
+    mantissa, as the grouped expand); else fp32 products."""
+    adapter = tl.load(lora_ptr + token.to(tl.int64) * stride_lm, mask=row_ok, other=-1)
+    # Compared in the mapping's own dtype (an int64 id >= 2^31 must not wrap into range), as slot_group does.
+    active = row_ok & (adapter >= 0) & (adapter < L)
+    lid = tl.where(active, adapter, -1).to(tl.int32)
+    r = tl.arange(0, BLOCK_R)
+    u = tl.load(u_ptr + pair.to(tl.int64)[:, None] * stride_up + r[None, :], mask=active[:, None] & (r < R)[None, :],
+                other=0.0)
+    bt_ptrs = b_ptr + expert.to(tl.int64) * stride_be + rows.to(tl.int64)[None, :] * stride_bn + r[:, None] * stride_br
+    if SPLIT_BF16:
+        u_hi = u.to(tl.bfloat16)
+        u_lo = (u - u_hi.to(tl.float32)).to(tl.bfloat16)
+    delta = tl.zeros([u.shape[0], rows.shape[0]], dtype=tl.float32)
+    for lora in range(0, L):
+        sel = (lid == lora)[:, None]
+        if tl.max(sel.to(tl.int32)) > 0:
+            bt = tl.load(bt_ptrs + lora * stride_bl, mask=(r < R)[:, None], other=0.0)
+            if SPLIT_BF16:
+                zero = tl.zeros_like(u_hi)
+                delta = tl.dot(tl.where(sel, u_lo, zero), bt, tl.dot(tl.where(sel, u_hi, zero), bt, delta))
+            else:
+                delta = tl.dot(tl.where(sel, u, 0.0), bt.to(tl.float32), delta, input_precision="ieee")
+    return delta, active
 
 
 @triton.jit
