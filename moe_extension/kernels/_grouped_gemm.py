@@ -48,8 +48,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._lora import lora_rows_delta, lora_tile_delta
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, quantize_fp8_groups,
-                                                   scale_rows, weight_advance, weight_ptrs)
+from moe_extension.kernels._weight_formats import (acc_finish, acc_start, dot_step, dot_tile, fma_step,
+                                                   quantize_fp8_groups, scale_rows, weight_advance, weight_ptrs)
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -195,7 +195,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     G_ON_A): ``x`` holds the tokens quantized already (e4m3) and ``xs_ptr`` their scales per token (stride
     ``stride_xsm``) and 128-column group; with A_DESC the rows of ``a_desc`` and the scales are per sorted row
     (``gather_rows_kernel`` with Q). LORA (ACT 0): plus ``g B[l, e] u[p]`` on the rows of active pairs
-    (``_lora.lora_tile_delta``; ``u`` by pair), before the one rounding."""
+    (``_lora.lora_tile_delta``; ``u`` by pair): it starts the accumulator."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -222,7 +222,15 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     if A_Q:
         # Scales per token, or per sorted row when the rows come in sorted order (A_DESC)
         xs_ptrs = xs_ptr + (rows if A_DESC else token).to(tl.int64) * stride_xsm
-    acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
+    if LORA:
+        # The LoRA term starts the accumulator (see lora_tile_delta), times the router weight where that scales the
+        # GEMM's input (the epilogue scales the other way).
+        acc = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
+                              stride_lm, L, R, pair, row_ok, token, expert, wr, g[:, None] if G_ON_A else 1.0,
+                              BLOCK_R, LORA_BF16)
+        acc = acc_start(acc, WFMT)
+    else:
+        acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
             k_ok = offs_k < K - kk * BLOCK_K
@@ -254,10 +262,6 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
 
     result = gemm1_epilogue(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha, limit,
                             ACT, G_ON_A, BLOCK_N)
-    if LORA:
-        delta, active = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                                        lm_ptr, stride_lm, L, R, pair, row_ok, token, expert, wr, BLOCK_R, LORA_BF16)
-        result = tl.where(active[:, None], result + g[:, None] * delta, result)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < N_OUT)[None, :]
@@ -374,7 +378,7 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
     """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0..
     A_Q (fp8 block, A_SORTED): ``a`` holds e4m3 values and ``as_ptr`` their scales per row (stride
     ``stride_asm``) and 128-column group (gemm1's Q_OUT output). LORA: split 0 adds ``g B[l, e] u[p]`` on the rows
-    of active pairs (``_lora.lora_tile_delta``; ``u`` by pair), before the one rounding."""
+    of active pairs (``_lora.lora_tile_delta``; ``u`` by pair): it starts the accumulator."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -397,7 +401,14 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
                                  BLOCK_K, WFMT, True)
     if A_Q:
         as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm + k_start // 128
-    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    if LORA:
+        # The LoRA term starts split 0's accumulator (see lora_tile_delta); bias and router weight come after.
+        acc = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
+                              stride_lm, L, R, safe_pair, pair < tl.where(split == 0, P, 0), t, expert, wr, 1.0,
+                              BLOCK_R, LORA_BF16)
+        acc = acc_start(acc, WFMT)
+    else:
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(k_start + k_per_split, K)
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
         if A_DESC:
@@ -430,11 +441,6 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
     g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + j * stride_gk,
                 mask=pair < tl.where(apply_weight != 0, P, 0), other=1.0)
     acc = acc * g.to(tl.float32)[:, None]
-    if LORA:
-        delta, active = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                                        lm_ptr, stride_lm, L, R, safe_pair, pair < tl.where(split == 0, P, 0), t,
-                                        expert, wr, BLOCK_R, LORA_BF16)
-        acc = tl.where(active[:, None], acc + g.to(tl.float32)[:, None] * delta, acc)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     y_rows = split.to(tl.int64) * stride_ys + t.to(tl.int64) * stride_yt + j.to(tl.int64) * stride_yj
     y_ptrs = y_ptr + y_rows[:, None] + offs_n[None, :] * stride_yn

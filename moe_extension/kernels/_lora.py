@@ -71,20 +71,25 @@ def lora_rows_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, st
 
 @triton.jit
 def lora_tile_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, stride_br, lora_ptr, stride_lm, L, R,
-                    pair, row_ok, token, expert, rows, BLOCK_R: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    """The expand of a sorted GEMM tile fused into its epilogue: ``delta [BM, ROWS]`` fp32, row i =
-    ``B[l_i, e][rows] u[pair_i]``, and which rows are active (``row_ok`` and their token's adapter ``l_i`` in
-    [0, L)); inactive rows 0. The tile's pairs share the expert ``e`` but not the adapter: one masked dot per
-    adapter present in the tile (``[BM, r] @ [r, ROWS]``, adapters absent from the tile skipped), B read once per
-    tile. SPLIT_BF16 (bf16 B on the GPU): ``u``'s high and low bf16 parts against B on tensor cores (16 bits of u's
-    mantissa, as the grouped expand); else fp32 products."""
+                    pair, row_ok, token, expert, rows, scale, BLOCK_R: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    """The expand of a sorted GEMM tile's pairs, the value its accumulator starts from: ``[BM, ROWS]`` fp32, row i =
+    ``B[l_i, e][rows] (scale_i u[pair_i])`` where ``row_ok`` and the row's token has an adapter ``l_i`` in [0, L),
+    else exactly +0 (the base GEMM's start: those rows come out bit for bit as without LoRA). ``scale``: 1 or [BM, 1].
+    The tile's pairs share the expert ``e`` but not the adapter: one masked dot per adapter present in the tile
+    (``[BM, r] @ [r, ROWS]``; absent adapters skipped), B read once per tile. SPLIT_BF16 (bf16 B on the GPU): the
+    high and low bf16 parts of ``scale u`` against B on tensor cores (16 bits of its mantissa, as the grouped
+    expand); else fp32 products.
+
+    NOTE: as the start of the accumulator, not a second [BM, ROWS] fp32 tile added in the epilogue: with the
+    latter (both live at once), UnfusedOAITritonExperts with 4 rank-16 adapters cost 1.245x the call without LoRA at
+    gpt-oss-20b M = 4096 (H100, python benchmarks/bench_lora.py; the big tiles of 128 x 256, 8 warps, spill)."""
     adapter = tl.load(lora_ptr + token.to(tl.int64) * stride_lm, mask=row_ok, other=-1)
     # Compared in the mapping's own dtype (an int64 id >= 2^31 must not wrap into range), as slot_group does.
     active = row_ok & (adapter >= 0) & (adapter < L)
     lid = tl.where(active, adapter, -1).to(tl.int32)
     r = tl.arange(0, BLOCK_R)
     u = tl.load(u_ptr + pair.to(tl.int64)[:, None] * stride_up + r[None, :], mask=active[:, None] & (r < R)[None, :],
-                other=0.0)
+                other=0.0) * scale
     bt_ptrs = b_ptr + expert.to(tl.int64) * stride_be + rows.to(tl.int64)[None, :] * stride_bn + r[:, None] * stride_br
     if SPLIT_BF16:
         u_hi = u.to(tl.bfloat16)
@@ -99,7 +104,7 @@ def lora_tile_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, st
                 delta = tl.dot(tl.where(sel, u_lo, zero), bt, tl.dot(tl.where(sel, u_hi, zero), bt, delta))
             else:
                 delta = tl.dot(tl.where(sel, u, 0.0), bt.to(tl.float32), delta, input_precision="ieee")
-    return delta, active
+    return tl.where(active[:, None], delta, 0.0)
 
 
 @triton.jit
