@@ -185,7 +185,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
                  G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr, LORA: tl.constexpr,
-                 BLOCK_R: tl.constexpr, LORA_BF16: tl.constexpr):
+                 BLOCK_R: tl.constexpr, LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``).
     G_ON_A: the router weights (apply_router_weight_on_input) scale the A rows, for weight formats whose GEMM
     rounds or quantizes its input (MXFP4: bf16(g x), fp8 block: fp8(g x)); otherwise they scale the product
@@ -227,7 +227,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
         # GEMM's input (the epilogue scales the other way).
         acc = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
                               stride_lm, L, R, pair, row_ok, token, expert, wr, g[:, None] if G_ON_A else 1.0,
-                              BLOCK_R, LORA_BF16)
+                              BLOCK_R, LORA_CHUNK, LORA_BF16)
         acc = acc_start(acc, WFMT)
     else:
         acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
@@ -301,7 +301,7 @@ def gemm1_sorted_kernel(
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr,
     SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, Q_OUT: tl.constexpr,
-    A_Q: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BF16: tl.constexpr,
+    A_Q: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr, LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -338,7 +338,7 @@ def gemm1_sorted_kernel(
                      stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
                      u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A, Q_OUT, A_Q, LORA, BLOCK_R, LORA_BF16)
+                     G_ON_A, Q_OUT, A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
         if OUT_SORTED and ZERO_PAD:  # the block's rows past the tail tile: 0
             r = tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -357,7 +357,7 @@ def gemm1_sorted_kernel(
                      stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
                      u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A, Q_OUT, A_Q, LORA, BLOCK_R, LORA_BF16)
+                     G_ON_A, Q_OUT, A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
     if SIGNAL:
         # Every thread's stores come before one gpu-scope release increment of the expert's counter.
         tl.debug_barrier()
@@ -374,7 +374,7 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
                  A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
                  A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr,
-                 LORA: tl.constexpr, BLOCK_R: tl.constexpr, LORA_BF16: tl.constexpr):
+                 LORA: tl.constexpr, BLOCK_R: tl.constexpr, LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr):
     """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0..
     A_Q (fp8 block, A_SORTED): ``a`` holds e4m3 values and ``as_ptr`` their scales per row (stride
     ``stride_asm``) and 128-column group (gemm1's Q_OUT output). LORA: split 0 adds ``g B[l, e] u[p]`` on the rows
@@ -405,7 +405,7 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
         # The LoRA term starts split 0's accumulator (see lora_tile_delta); bias and router weight come after.
         acc = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
                               stride_lm, L, R, safe_pair, pair < tl.where(split == 0, P, 0), t, expert, wr, 1.0,
-                              BLOCK_R, LORA_BF16)
+                              BLOCK_R, LORA_CHUNK, LORA_BF16)
         acc = acc_start(acc, WFMT)
     else:
         acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
@@ -460,7 +460,7 @@ def gemm2_sorted_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
     WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_BF16: tl.constexpr,
+    LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
@@ -506,7 +506,7 @@ def gemm2_sorted_kernel(
                      stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
                      stride_gk, u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
                      stride_lm, L, R, A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     A_Q, LORA, BLOCK_R, LORA_BF16)
+                     A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
     else:
         _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
@@ -514,7 +514,7 @@ def gemm2_sorted_kernel(
                      stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
                      stride_gk, u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
                      stride_lm, L, R, A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     A_Q, LORA, BLOCK_R, LORA_BF16)
+                     A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
     if WAIT:
         if PDL:
             # gemm1 has completed (all its tiles counted): this grid's completion implies gemm1's.

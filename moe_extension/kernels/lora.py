@@ -57,16 +57,19 @@ class FusedExpand(NamedTuple):
 def expand_epilogue_args(fused: FusedExpand | None, dummy: torch.Tensor, tile: bool = False) -> tuple[tuple, dict]:
     """The LoRA arguments of the base GEMM kernels (from ``u_ptr`` on) and their constexprs; ``dummy`` fills the
     pointer slots when ``fused`` is None (LORA off). ``tile``: for the sorted GEMMs (``_lora.lora_tile_delta``:
-    BLOCK_R at least 16, a dot's depth, and LORA_BF16), else for the GEMVs (``_lora.lora_rows_delta``)."""
-    flags = dict(LORA_BF16=False) if tile else {}
+    LORA_CHUNK (adapter, rank) columns per step: whole adapters, at least 16, a dot's depth; and LORA_BF16), else for the GEMVs
+    (``_lora.lora_rows_delta``)."""
+    flags = dict(LORA_CHUNK=16, LORA_BF16=False) if tile else {}
     if fused is None:
         return (dummy, 0, dummy, 0, 0, 0, 0, dummy, 0, 0, 0), dict(LORA=False, BLOCK_R=1, **flags)
     u, b, mapping = fused
-    R = b.shape[3]
+    L, R = b.shape[0], b.shape[3]
+    block_r = triton.next_power_of_2(R)
     if tile:
-        flags = dict(LORA_BF16=_expand_mode(b) == kern.EXPAND_BF16_SPLIT.value)
-    return ((u, u.stride(-2), b, *b.stride(), mapping, mapping.stride(0), b.shape[0], R),
-            dict(LORA=True, BLOCK_R=max(16 if tile else 1, triton.next_power_of_2(R)), **flags))
+        flags = dict(LORA_CHUNK=max(16, block_r, min(128, triton.next_power_of_2(L) * block_r)),
+                     LORA_BF16=_expand_mode(b) == kern.EXPAND_BF16_SPLIT.value)
+    return ((u, u.stride(-2), b, *b.stride(), mapping, mapping.stride(0), L, R), dict(LORA=True, BLOCK_R=block_r,
+                                                                                      **flags))
 
 
 def lora_block_m(num_pairs: int, num_groups: int) -> int:
