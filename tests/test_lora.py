@@ -150,8 +150,8 @@ def gemm_lora_case(gemm, M, quant, device, seed=0, L=3, r=5, E=6, topk=3):
                          + [(g, m, q) for g in (1, 2) for m, q in ((6, "fp8_block"), (90, "none"))])
 def test_expert_gemm_lora_term(device, gemm, M, quant):
     """The ops and, where the kernels run, their launchers: M = 1 takes the direct schedule (the expand in the
-    GEMV's epilogue), M >= 6 the sorted one (the expand of each tile's pairs in the GEMM's epilogue; at M = 90 the
-    270 pairs take the grouped shrink); pairs without an adapter bit for bit as without LoRA."""
+    GEMV's epilogue), M >= 6 the sorted one (add_lora after the GEMM; at M = 90 its 270 pairs take the grouped
+    schedule); pairs without an adapter bit for bit as without LoRA."""
     args, kwargs, lora, ref, active = gemm_lora_case(gemm, M, quant, device, seed=M + 10 * gemm)
     calls = [expert_gemm1 if gemm == 1 else expert_gemm2]
     if device == "cuda" or INTERPRETED:

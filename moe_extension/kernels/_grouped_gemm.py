@@ -46,10 +46,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_extension.kernels._launch import grid_dependency
-from moe_extension.kernels._lora import lora_rows_delta, lora_tile_delta
+from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import (acc_finish, acc_start, dot_step, dot_tile, fma_step,
-                                                   quantize_fp8_groups, scale_rows, weight_advance, weight_ptrs)
+from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, quantize_fp8_groups,
+                                                   scale_rows, weight_advance, weight_ptrs)
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -180,12 +180,10 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
                  stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                  stride_be, stride_bn,
                  stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
-                 u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
                  ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-                 G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr, LORA: tl.constexpr,
-                 BLOCK_R: tl.constexpr, LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr):
+                 G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``).
     G_ON_A: the router weights (apply_router_weight_on_input) scale the A rows, for weight formats whose GEMM
     rounds or quantizes its input (MXFP4: bf16(g x), fp8 block: fp8(g x)); otherwise they scale the product
@@ -194,8 +192,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result. A_Q (fp8 block, not
     G_ON_A): ``x`` holds the tokens quantized already (e4m3) and ``xs_ptr`` their scales per token (stride
     ``stride_xsm``) and 128-column group; with A_DESC the rows of ``a_desc`` and the scales are per sorted row
-    (``gather_rows_kernel`` with Q). LORA (ACT 0): plus ``g B[l, e] u[p]`` on the rows of active pairs
-    (``_lora.lora_tile_delta``; ``u`` by pair): it starts the accumulator."""
+    (``gather_rows_kernel`` with Q)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -222,15 +219,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     if A_Q:
         # Scales per token, or per sorted row when the rows come in sorted order (A_DESC)
         xs_ptrs = xs_ptr + (rows if A_DESC else token).to(tl.int64) * stride_xsm
-    if LORA:
-        # The LoRA term starts the accumulator (see lora_tile_delta), times the router weight where that scales the
-        # GEMM's input (the epilogue scales the other way).
-        acc = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
-                              stride_lm, L, R, pair, row_ok, token, expert, wr, g[:, None] if G_ON_A else 1.0,
-                              BLOCK_R, LORA_CHUNK, LORA_BF16)
-        acc = acc_start(acc, WFMT)
-    else:
-        acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
+    acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
             k_ok = offs_k < K - kk * BLOCK_K
@@ -296,12 +285,11 @@ def gemm1_sorted_kernel(
     block_expert_ptr, counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias,
     router_on_input, stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
-    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr,
     SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, Q_OUT: tl.constexpr,
-    A_Q: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr, LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr,
+    A_Q: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -318,7 +306,6 @@ def gemm1_sorted_kernel(
     PDL: programmatic dependent launch (``_routing.grid_dependency``). SIGNAL: after its tile's stores, each
     program adds 1 to ``done[expert]`` (release, gpu scope): an expert's count reaches
     cdiv(count, BLOCK_M) * cdiv(N_OUT, BLOCK_N) when all its tiles are stored.
-    LORA (ACT 0; ``u_ptr`` .. ``R``): the LoRA expand of the tile's pairs in the epilogue (``_gemm1_block``).
 
     NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
     specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
@@ -336,9 +323,8 @@ def gemm1_sorted_kernel(
                      expert, row0, pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
-                     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A, Q_OUT, A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
+                     G_ON_A, Q_OUT, A_Q)
         if OUT_SORTED and ZERO_PAD:  # the block's rows past the tail tile: 0
             r = tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -355,9 +341,8 @@ def gemm1_sorted_kernel(
                      expert, row0, pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
-                     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A, Q_OUT, A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
+                     G_ON_A, Q_OUT, A_Q)
     if SIGNAL:
         # Every thread's stores come before one gpu-scope release increment of the expert's counter.
         tl.debug_barrier()
@@ -370,15 +355,12 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
                  stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
                  stride_sk, stride_be, stride_bn,
                  stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                 u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
                  A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
-                 A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr,
-                 LORA: tl.constexpr, BLOCK_R: tl.constexpr, LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr):
+                 A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr):
     """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0..
     A_Q (fp8 block, A_SORTED): ``a`` holds e4m3 values and ``as_ptr`` their scales per row (stride
-    ``stride_asm``) and 128-column group (gemm1's Q_OUT output). LORA: split 0 adds ``g B[l, e] u[p]`` on the rows
-    of active pairs (``_lora.lora_tile_delta``; ``u`` by pair): it starts the accumulator."""
+    ``stride_asm``) and 128-column group (gemm1's Q_OUT output)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -401,14 +383,7 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
                                  BLOCK_K, WFMT, True)
     if A_Q:
         as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm + k_start // 128
-    if LORA:
-        # The LoRA term starts split 0's accumulator (see lora_tile_delta); bias and router weight come after.
-        acc = lora_tile_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
-                              stride_lm, L, R, safe_pair, pair < tl.where(split == 0, P, 0), t, expert, wr, 1.0,
-                              BLOCK_R, LORA_CHUNK, LORA_BF16)
-        acc = acc_start(acc, WFMT)
-    else:
-        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(k_start + k_per_split, K)
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
         if A_DESC:
@@ -455,20 +430,17 @@ def gemm2_sorted_kernel(
     stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
-    WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    LORA_CHUNK: tl.constexpr, LORA_BF16: tl.constexpr,
+    WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
     Rows of ``a``: the sorted position (A_SORTED, stride_am) or the pair (stride_am per token, stride_aj
     per slot). program_id(1) is the split of the reduction dim (k_per_split, a multiple of BLOCK_K, each).
     EVEN_K: every split's range is full BLOCK_K steps inside K. has_bias / apply_weight: runtime flags.
-    TAIL_M: as in gemm1 (blocks with at most TAIL_M valid rows run a TAIL_M-row tile). LORA (``u_ptr`` ..
-    ``R``): the LoRA expand of the tile's pairs in the epilogue (``_gemm2_block``).
+    TAIL_M: as in gemm1 (blocks with at most TAIL_M valid rows run a TAIL_M-row tile).
     W_DESC: weight tiles through the TMA descriptor ``w_desc`` of w [E, N_OUT, K] (block [1, BLOCK_N,
     BLOCK_K]); a tile reaching past this split's range is multiplied by the masked (zero) columns of ``a``.
     A_DESC (A_SORTED only): the rows of ``a`` come through ``a_desc`` (block [BLOCK_M, BLOCK_K]) and, for
@@ -504,17 +476,13 @@ def gemm2_sorted_kernel(
                      row0, pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
                      stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
-                     stride_gk, u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
-                     stride_lm, L, R, A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
+                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
     else:
         _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
                      stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
-                     stride_gk, u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr,
-                     stride_lm, L, R, A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     A_Q, LORA, BLOCK_R, LORA_CHUNK, LORA_BF16)
+                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
     if WAIT:
         if PDL:
             # gemm1 has completed (all its tiles counted): this grid's completion implies gemm1's.

@@ -10,8 +10,7 @@ fp32, one rounding per stored value of ``out``; no float atomics (bitwise reprod
 A pair's group is ``l * E + e`` (``slot_group``). Two schedules:
 - direct (a few pairs: decode): the shrink runs one program per (pair, row of A), the expand one per (pair,
   column tile of B), or a base GEMV adds it in its epilogue (``lora_rows_delta``); each reads its own adapter
-  tiles; fp32 products and sums. A base sorted GEMM starts its accumulator from the expand of its tile's pairs
-  (``lora_tile_delta``).
+  tiles; fp32 products and sums.
 - grouped: ``lora_group_ids_kernel`` writes every pair's group (-1 inactive) and ``_routing.route`` sorts the
   pairs by group into blocks of ``BLOCK_M`` pairs of one group; a shrink program multiplies a block's rows by
   its group's A (read once per block, not per pair), an expand program a block's ``u`` by a column tile of
@@ -67,46 +66,6 @@ def lora_rows_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, st
     b = tl.load(b_rows + rows.to(tl.int64)[:, None] * stride_bn + r[None, :] * stride_br, mask=r_ok[None, :],
                 other=0.0)
     return tl.sum(b.to(tl.float32) * u[None, :], axis=1), active
-
-
-@triton.jit
-def lora_tile_delta(u_ptr, stride_up, b_ptr, stride_bl, stride_be, stride_bn, stride_br, lora_ptr, stride_lm, L, R,
-                    pair, row_ok, token, expert, rows, scale, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-                    BF16: tl.constexpr):
-    """The expand of a sorted GEMM tile's pairs, the value its accumulator starts from: ``[BM, ROWS]`` fp32, row i =
-    ``scale_i B[l_i, e][rows] u[pair_i]`` where ``row_ok`` and the row's token has an adapter ``l_i`` in [0, L), else
-    exactly +0 (the base GEMM's start: those rows come out bit for bit as without LoRA). ``scale``: 1 or [BM, 1].
-
-    The tile's pairs share the expert ``e`` but not the adapter: one GEMM over the (adapter, rank) pairs of all L
-    adapters, ``U [BM, L r] @ B[:, e][rows]^T [L r, ROWS]`` with ``U[i, (l, k)] = u[pair_i, k]`` if ``l == l_i``
-    else 0, in chunks of CHUNK (a multiple of BLOCK_R): B read once per tile, one pipelined loop. BF16 (bf16 B on
-    the GPU): ``u`` rounded to bf16 against B on tensor cores; else fp32 products.
-
-    NOTE: as the start of the accumulator, not a second [BM, ROWS] fp32 tile added in the epilogue (the 128 x 256
-    tiles of 8 warps spilled), and as one loop over (adapter, rank) chunks, not a masked dot per adapter present in
-    the tile (each a dependent load, then two dots for u's high and low bf16 parts): with those,
-    UnfusedOAITritonExperts with 4 adapters cost 1.171x (rank 16) and 1.377x (rank 64) the call without LoRA at
-    gpt-oss-20b M = 4096 (H100, python benchmarks/bench_lora.py)."""
-    adapter = tl.load(lora_ptr + token.to(tl.int64) * stride_lm, mask=row_ok, other=-1)
-    # Compared in the mapping's own dtype (an int64 id >= 2^31 must not wrap into range), as slot_group does.
-    active = row_ok & (adapter >= 0) & (adapter < L)
-    lid = tl.where(active, adapter, -1).to(tl.int32)
-    c = tl.arange(0, CHUNK)
-    k = c % BLOCK_R
-    u_ptrs = u_ptr + pair.to(tl.int64)[:, None] * stride_up + k[None, :]
-    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + rows.to(tl.int64)[None, :] * stride_bn + k[:, None] * stride_br
-    delta = tl.zeros([pair.shape[0], rows.shape[0]], dtype=tl.float32)
-    # Not software-pipelined (num_stages=1): its buffers would come on top of the main loop's shared memory (327 KB
-    # for the 128 x 256 tiles of 8 warps), and with up to 128 (adapter, rank) columns per chunk most tiles take one.
-    for c0 in tl.range(0, L * BLOCK_R, CHUNK, num_stages=1):
-        lc = (c0 + c) // BLOCK_R  # the adapter of each column of the chunk
-        uk = tl.load(u_ptrs, mask=(lid[:, None] == lc[None, :]) & (k < R)[None, :], other=0.0)
-        bk = tl.load(b_ptrs + lc.to(tl.int64)[:, None] * stride_bl, mask=((lc < L) & (k < R))[:, None], other=0.0)
-        if BF16:
-            delta = tl.dot(uk.to(tl.bfloat16), bk, delta)
-        else:
-            delta = tl.dot(uk, bk.to(tl.float32), delta, input_precision="ieee")
-    return tl.where(active[:, None], delta * scale, 0.0)
 
 
 @triton.jit

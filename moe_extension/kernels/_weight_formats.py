@@ -38,10 +38,10 @@ schedules; what differs between weight formats is only this plug, selected by th
 Each format provides the device functions every kernel calls at the same places: ``scale_rows`` (the scale
 offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
 ``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
-``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_start`` / ``acc_finish`` (a value the
-accumulator starts from / the accumulator after the last tensor-core step) and ``fma_step`` (GEMV step:
-elementwise products into a ``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its
-last dim by the kernel at the end). A new format adds a branch to each, its scale arguments and its tests.
+``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_finish`` (the accumulator after the last
+tensor-core step) and ``fma_step`` (GEMV step: elementwise products into a ``[..., R, BLOCK_K]`` fp32 tile,
+``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at the end). A new format adds a branch to each, its
+scale arguments and its tests.
 
 ``PTX`` (constexpr): True on the GPU: decode MXFP4 codes with inline PTX (``_E2M1X4_ASM``; sm_80+, bf16x2
 FMAs) and apply the scales by a bf16 multiply; round to fp8 with the hardware conversion. False, for Triton's
@@ -506,15 +506,6 @@ def dot_tile(acc, a, a_scale, w, s_ptrs, WFMT: tl.constexpr, PTX: tl.constexpr, 
         acc += _fp8_dot(aq, w, PTX) * a_s[:, None] * fp8_weight_scales(tl.load(s_ptrs))[None, :]
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-    return acc
-
-
-@triton.jit
-def acc_start(acc, WFMT: tl.constexpr):
-    """A value a tensor-core reduction starts from (instead of zeros), in the accumulator's scale: the inverse of
-    ``acc_finish`` (the MMA layout's accumulator holds its sums times 2^-MMA_EXCESS; exact above 2^-106)."""
-    if WFMT == 3:
-        acc = acc * (1.0 / _MMA_ACC_FACTOR)
     return acc
 
 

@@ -58,7 +58,7 @@ from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
 from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WFMT_MXFP4_MMA, WeightOperand
-from moe_extension.kernels.lora import FusedExpand, expand_epilogue_args, lora_shrink_triton
+from moe_extension.kernels.lora import FusedExpand, add_lora_triton, expand_epilogue_args, lora_shrink_triton
 
 
 def _dot_precision(dtype: torch.dtype, w: WeightOperand | None = None) -> str:
@@ -168,10 +168,8 @@ def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool =
 
 def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, weights, alpha, limit,
                   cfg: GemmConfig, pdl: bool = False, signal: bool = False, zero_padding: bool = True,
-                  x_scale: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
-                  lora: FusedExpand | None = None):
-    """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N]. ``lora`` (act
-    none, rows by pair): the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``).
+                  x_scale: torch.Tensor | None = None, out_scale: torch.Tensor | None = None):
+    """out rows (sorted positions or pairs) of the first GEMM; act 0 writes h [.., 2N], else a [.., N].
 
     fp8 block: ``x_scale`` given: x is quantized already (``quantize_fp8_rows``: e4m3 rows and their
     scales [M, cdiv(K, 128)]); ``out_scale`` given (out_sorted): out is stored quantized, e4m3 values and their
@@ -198,7 +196,6 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         if out_sorted and x_scale is None else (None,) * 4)
     if rows_scale is not None:
         x_scale = rows_scale
-    lora_args, lora_flags = expand_epilogue_args(lora, out, tile=True)
     kern.gemm1_sorted_kernel[grid](
         x, x_scale if x_scale is not None else x, a_desc, a_tail_desc, w1.w, w_desc, w1.scale,
         bias if bias is not None else out, out, out_scale if out_scale is not None else out,
@@ -208,13 +205,12 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         int(bias is not None), int(weights is not None),
         x.stride(0), x.stride(1), _stride(x_scale, 0), *w1.strides, _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), _stride(out_scale, 0), _stride(weights, 0), _stride(weights, 1), float(alpha),
-        float(limit), *lora_args, ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding,
-        EVEN_K=K % cfg.block_k == 0,
+        float(limit), ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
         DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
         G_ON_A=weights is not None and not w1.dense,
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
-        Q_OUT=out_scale is not None, A_Q=x_scale is not None, **lora_flags,
+        Q_OUT=out_scale is not None, A_Q=x_scale is not None,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     return rows, rows_scale
@@ -233,10 +229,9 @@ def effective_splits(N: int, cfg: GemmConfig) -> int:
 
 
 def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False,
-                  wait_tiles_n1: int = 0, a_scale: torch.Tensor | None = None, lora: FusedExpand | None = None):
+                  wait_tiles_n1: int = 0, a_scale: torch.Tensor | None = None):
     """y [splits, M, topk, K] of the second GEMM; ``a`` is [sorted rows, N] (a_sorted) or [M, topk, N].
-    fp8 block: ``a_scale`` given (a_sorted), a holds gemm1's quantized rows and these their scales. ``lora``: the
-    LoRA expand added in split 0's epilogue (``kernels.lora.FusedExpand``).
+    fp8 block: ``a_scale`` given (a_sorted), a holds gemm1's quantized rows and these their scales.
 
     pdl: launch with programmatic dependent launch. wait_tiles_n1 > 0 (gemm1's N tiles; with pdl, after a
     gemm1 launched with ``signal``): each tile waits until its expert's gemm1 tiles have all counted instead
@@ -252,7 +247,6 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
     w_desc = _weight_desc(w2.w, cfg.block_n, cfg) if w2.element_tiles else None
     a_desc, a_tail_desc = _sorted_rows_descs(a, routing.block_m, cfg) if a_sorted else (None, None)
-    lora_args, lora_flags = expand_epilogue_args(lora, y, tile=True)
     kern.gemm2_sorted_kernel[grid](
         a, a_scale if a_scale is not None else a, a_desc, a_tail_desc, w2.w, w_desc, w2.scale,
         bias if bias is not None else y, y,
@@ -262,12 +256,12 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         int(bias is not None), int(weights is not None), stride_am, stride_aj, stride_ak, _stride(a_scale, 0),
         *w2.strides,
         _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
-        _stride(weights, 0), _stride(weights, 1), *lora_args,
+        _stride(weights, 0), _stride(weights, 1),
         A_SORTED=a_sorted, WFMT=w2.fmt, PTX=_ptx(a.device),
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype, w2),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, WAIT=wait_tiles_n1 > 0,
-        A_Q=a_scale is not None, **lora_flags,
+        A_Q=a_scale is not None,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
 
@@ -533,8 +527,8 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     h_rows = h.view(M * topk, two_n)
     pdl = pdl_capable(dev)
     with device_guard(dev):
-        fused = _fused_expand(hidden_states, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map)
         if cfg.path == "direct":
+            fused = _fused_expand(hidden_states, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map)
             _gemv1(hidden_states, w1, w1_bias, h_rows, topk_ids, expert_map, kern.ACT_NONE, topk_weights, 0.0, 0.0,
                    cfg.gemm1, lora=fused)
         else:
@@ -543,7 +537,10 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
                 x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0)
             routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
             _gemm1_sorted(x, w1, w1_bias, h_rows, False, routing, topk, kern.ACT_NONE, topk_weights, 0.0, 0.0,
-                          cfg.gemm1, pdl, x_scale=x_scale, lora=fused)
+                          cfg.gemm1, pdl, x_scale=x_scale)
+            if lora_a is not None:
+                add_lora_triton(h, hidden_states, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map=expert_map,
+                                topk_weights=topk_weights)
     return h
 
 
@@ -582,11 +579,14 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
                             quant)
     pdl = pdl_capable(dev)
     with device_guard(dev):
-        fused = _fused_expand(intermediate, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map)
         if config.path == "direct":
+            fused = _fused_expand(intermediate, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map)
             _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2, lora=fused)
         else:
             routing = route(topk_ids, E, config.block_m, expert_map, pdl=pdl)
             _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2,
-                          pdl, lora=fused)
+                          pdl)
+            if lora_a is not None:
+                add_lora_triton(y, intermediate, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map=expert_map,
+                                topk_weights=topk_weights)
     return y

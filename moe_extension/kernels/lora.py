@@ -9,9 +9,9 @@ strides. Sizes come from shapes only, every launch goes to the current stream: c
 
 Schedule (``lora_plan``), P = M * topk pairs: direct for P <= ``DIRECT_MAX_PAIRS`` (no grouping: 1 launch per
 shrink or expand), grouped above (2 to 4 launches of grouping, then 1 per shrink or expand). ``add_lora``
-groups once for its shrink and expand and keeps ``u`` in sorted order between them. ``FusedExpand``: a shrink's
-``u`` (by pair) handed to the base GEMM, which adds the expand in its epilogue: a GEMV at decode, a sorted GEMM (the
-pairs of each tile) above (``expert_gemm1`` / ``expert_gemm2`` with LoRA, ``fused_experts._fused_expand``).
+groups once for its shrink and expand and keeps ``u`` in sorted order between them. ``FusedExpand``: a direct
+shrink's ``u`` handed to a base GEMV that adds the expand in its epilogue (``expert_gemm1`` / ``expert_gemm2`` with
+LoRA at decode, ``fused_experts._fused_expand``).
 """
 
 from __future__ import annotations
@@ -46,30 +46,23 @@ class LoraPlan(NamedTuple):
 
 
 class FusedExpand(NamedTuple):
-    """A LoRA expand that a base GEMM adds in its epilogue (``_lora.lora_rows_delta`` / ``lora_tile_delta``):
-    ``u [M, topk, r]`` fp32 from ``lora_shrink_triton``, ``lora_b [L, E, n, r]`` and ``token_lora_mapping [M]``."""
+    """A LoRA expand that a base GEMV adds in its epilogue (``_lora.lora_rows_delta``): ``u [M, topk, r]`` fp32 from
+    ``lora_shrink_triton``, ``lora_b [L, E, n, r]`` and ``token_lora_mapping [M]``."""
 
     u: torch.Tensor
     lora_b: torch.Tensor
     token_lora_mapping: torch.Tensor
 
 
-def expand_epilogue_args(fused: FusedExpand | None, dummy: torch.Tensor, tile: bool = False) -> tuple[tuple, dict]:
-    """The LoRA arguments of the base GEMM kernels (from ``u_ptr`` on) and their constexprs; ``dummy`` fills the
-    pointer slots when ``fused`` is None (LORA off). ``tile``: for the sorted GEMMs (``_lora.lora_tile_delta``:
-    LORA_CHUNK (adapter, rank) columns per step: whole adapters, at least 16, a dot's depth; and LORA_BF16), else for the GEMVs
-    (``_lora.lora_rows_delta``)."""
-    flags = dict(LORA_CHUNK=16, LORA_BF16=False) if tile else {}
+def expand_epilogue_args(fused: FusedExpand | None, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The LoRA arguments of the GEMV kernels (from ``u_ptr`` on) and their constexprs; ``dummy`` fills the pointer
+    slots when ``fused`` is None (LORA off)."""
     if fused is None:
-        return (dummy, 0, dummy, 0, 0, 0, 0, dummy, 0, 0, 0), dict(LORA=False, BLOCK_R=1, **flags)
+        return (dummy, 0, dummy, 0, 0, 0, 0, dummy, 0, 0, 0), dict(LORA=False, BLOCK_R=1)
     u, b, mapping = fused
-    L, R = b.shape[0], b.shape[3]
-    block_r = triton.next_power_of_2(R)
-    if tile:
-        flags = dict(LORA_CHUNK=max(16, block_r, min(128, triton.next_power_of_2(L) * block_r)),
-                     LORA_BF16=_expand_mode(b) == kern.EXPAND_BF16_SPLIT.value)
-    return ((u, u.stride(-2), b, *b.stride(), mapping, mapping.stride(0), L, R), dict(LORA=True, BLOCK_R=block_r,
-                                                                                      **flags))
+    R = b.shape[3]
+    return ((u, u.stride(-2), b, *b.stride(), mapping, mapping.stride(0), b.shape[0], R),
+            dict(LORA=True, BLOCK_R=triton.next_power_of_2(R)))
 
 
 def lora_block_m(num_pairs: int, num_groups: int) -> int:

@@ -13,7 +13,8 @@ expert_map, topk_weights, quant, w2_scale, lora_a, lora_b, token_lora_mapping)``
 LoRA (all three or none): ``lora_a [L, E, r, in]``, ``lora_b [L, E, out, r]``, ``token_lora_mapping [M]``
 (``moe_extension.ops.lora``) add ``g B[l, e] (A[l, e] x)`` to the active pairs' rows (``x``: the GEMM's input,
 unscaled; g as above, 1 without ``topk_weights``), the rows of the other pairs bit for bit as without LoRA.
-The term is added before the output's one rounding (on CUDA in the GEMV's or the sorted GEMM's epilogue).
+On CUDA's direct schedule (decode) the expand runs in the GEMV's epilogue, before its one rounding; elsewhere it is
+``add_lora`` on the rounded output (a second rounding).
 
 Both: ``e`` is the local expert of slot ``(t, j)`` (through ``expert_map`` when given); invalid slots give
 rows of exactly 0; math in fp32, one rounding at the end. Weight layouts per ``quant``:
@@ -183,7 +184,7 @@ class ExpertWeights:
 def expert_gemm1_torch(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=None, topk_weights=None,
                        quant="none", w1_scale=None, lora_a=None, lora_b=None, token_lora_mapping=None) -> torch.Tensor:
     """PyTorch implementation of expert_gemm1 (any device): ``[M, topk, 2N]`` in ``hidden_states.dtype``; the LoRA
-    term added by ``add_lora_torch`` to the fp32 GEMM output, before its one rounding."""
+    term added to the rounded GEMM output by ``add_lora_torch``."""
     m, topk, rows = check_expert_gemm1(hidden_states, w1, topk_ids, w1_bias, expert_map, topk_weights, quant, w1_scale,
                                        lora_a, lora_b, token_lora_mapping)
     out = torch.zeros((m * topk, rows), dtype=torch.float32, device=hidden_states.device)
@@ -195,9 +196,8 @@ def expert_gemm1_torch(hidden_states, w1, topk_ids, *, w1_bias=None, expert_map=
         if g is not None:
             xe = xe * g[slots, None]
         out[slots] = weights.linear(e, weights.gemm_input(xe))
-    h = _with_lora(out.view(m, topk, rows), hidden_states, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map,
-                   topk_weights)
-    return h.to(hidden_states.dtype)
+    h = out.view(m, topk, rows).to(hidden_states.dtype)
+    return _with_lora(h, hidden_states, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
 
 
 def expert_gemm2_torch(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=None, topk_weights=None,
@@ -213,9 +213,8 @@ def expert_gemm2_torch(intermediate, w2, topk_ids, *, w2_bias=None, expert_map=N
     for e, slots in group_by_expert(topk_ids, expert_map, w2.shape[0]):
         y = weights.linear(e, weights.gemm_input(a[slots].float()))
         out[slots] = y if g is None else y * g[slots, None]
-    y = _with_lora(out.view(m, topk, k), intermediate, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map,
-                   topk_weights)
-    return y.to(intermediate.dtype)
+    y = out.view(m, topk, k).to(intermediate.dtype)
+    return _with_lora(y, intermediate, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights)
 
 
 def _with_lora(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, expert_map, topk_weights) -> torch.Tensor:
