@@ -217,6 +217,8 @@ KERNEL_CASES = [
     (23, 2, 16, 3, 8, 64, 48, "grouped"),  # L 16: 48 groups
     (5, 2, 2, 3, 128, 64, 40, "direct"),  # the largest rank
     (40, 2, 1, 2, 128, 72, 24, "grouped"),
+    (12, 2, 2, 3, 8, 32, 300, "grouped"),  # 3 column tiles of the expand in 3 runs, the last tile partial
+    (12, 3, 2, 3, 16, 32, 1100, "grouped"),  # 9 tiles in 5 runs of 2: the last run's second tile lies past n
 ]
 
 

@@ -13,8 +13,8 @@ A pair's group is ``l * E + e`` (``slot_group``). Two schedules:
   tiles; fp32 products and sums.
 - grouped: ``lora_group_ids_kernel`` writes every pair's group (-1 inactive) and ``_routing.route`` sorts the
   pairs by group into blocks of ``BLOCK_M`` pairs of one group; a shrink program multiplies a block's rows by
-  its group's A (read once per block, not per pair), an expand program a block's ``u`` by a column tile of
-  B. Programs walk the blocks with a grid stride (blocks past the used ones read group -1 and are skipped), so
+  its group's A (read once per block, not per pair), an expand program a block's ``u`` by a run of column tiles
+  of B. Programs walk the blocks with a grid stride (blocks past the used ones read group -1 and are skipped), so
   the grid does not grow with the worst-case block count (L * E groups).
   Tensor-core dots: the shrink's x with A when both have the same 16-bit dtype (exact products, fp32
   accumulation); the expand's ``u`` with a bf16 B as two bf16 dots, ``u``'s high and low bf16 parts (16 bits of
@@ -179,10 +179,12 @@ def lora_expand_grouped_kernel(out_ptr, stride_om, stride_oj, stride_on, u_ptr, 
                                stride_bn, stride_br, w_ptr, stride_wm, stride_wj, sorted_ptr, block_group_ptr,
                                max_blocks, P, topk, E, R, NOUT, SORTED_IN: tl.constexpr, HAS_W: tl.constexpr,
                                MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_R: tl.constexpr):
-    """out rows of the blocks pid0, pid0 + grid0, ..., column tile pid1: += g * (u rows [BLOCK_M, r] @ B[l, e]^T)."""
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                               BLOCK_R: tl.constexpr, TILES: tl.constexpr):
+    """out rows of the blocks pid0, pid0 + grid0, ..., columns of the run pid1 of TILES column tiles (BLOCK_N
+    each): += g * (u rows [BLOCK_M, r] @ B[l, e]^T). A program walks its run tile by tile, so the loads of the
+    next tile of out and B overlap the current one's (software pipelining) and each row is read in order."""
     r = tl.arange(0, BLOCK_R)
+    n_run = tl.program_id(1) * TILES * BLOCK_N
     for b in range(tl.program_id(0), max_blocks, tl.num_programs(0)):
         g = tl.load(block_group_ptr + b)
         if g >= 0:
@@ -193,18 +195,23 @@ def lora_expand_grouped_kernel(out_ptr, stride_om, stride_oj, stride_on, u_ptr, 
                 u_rows = pairs
             u = tl.load(u_ptr + u_rows.to(tl.int64)[:, None] * stride_up + r[None, :],
                         mask=real[:, None] & (r < R)[None, :], other=0.0)
-            b_cols = group_matrix(b_ptr, g, E, stride_bl, stride_be) + r[:, None] * stride_br
-            bt = tl.load(b_cols + n[None, :] * stride_bn,
-                         mask=(r < R)[:, None] & (n < NOUT)[None, :], other=0.0)
             if MODE == EXPAND_BF16_SPLIT:
                 u_hi = u.to(tl.bfloat16)
                 u_lo = (u - u_hi.to(tl.float32)).to(tl.bfloat16)
-                delta = tl.dot(u_lo, bt, tl.dot(u_hi, bt))
-            else:
-                delta = tl.dot(u, bt.to(tl.float32), input_precision="ieee")
             if HAS_W:
-                delta *= tl.load(w_ptr + t.to(tl.int64) * stride_wm + j * stride_wj, mask=real, other=0.0)[:, None]
-            ptrs = out_ptr + (t.to(tl.int64) * stride_om + j * stride_oj)[:, None] + n[None, :] * stride_on
-            mask = real[:, None] & (n < NOUT)[None, :]
-            old = tl.load(ptrs, mask=mask, other=0.0)
-            tl.store(ptrs, (old.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
+                gw = tl.load(w_ptr + t.to(tl.int64) * stride_wm + j * stride_wj, mask=real, other=0.0)
+            b_cols = group_matrix(b_ptr, g, E, stride_bl, stride_be) + r[:, None] * stride_br
+            rows = out_ptr + (t.to(tl.int64) * stride_om + j * stride_oj)
+            for i in range(TILES):
+                n = n_run + i * BLOCK_N + tl.arange(0, BLOCK_N)
+                bt = tl.load(b_cols + n[None, :] * stride_bn, mask=(r < R)[:, None] & (n < NOUT)[None, :], other=0.0)
+                ptrs = rows[:, None] + n[None, :] * stride_on
+                mask = real[:, None] & (n < NOUT)[None, :]
+                old = tl.load(ptrs, mask=mask, other=0.0)
+                if MODE == EXPAND_BF16_SPLIT:
+                    delta = tl.dot(u_lo, bt, tl.dot(u_hi, bt))
+                else:
+                    delta = tl.dot(u, bt.to(tl.float32), input_precision="ieee")
+                if HAS_W:
+                    delta *= gw[:, None]
+                tl.store(ptrs, (old.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)

@@ -71,14 +71,22 @@ def lora_block_m(num_pairs: int, num_groups: int) -> int:
     return 16 if per_group < 24 else 32 if per_group < 48 else 64
 
 
-def expand_tile(block_m: int, block_r: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the grouped expand.
+def expand_tiles(nout: int) -> tuple[int, int, int]:
+    """(BLOCK_N, TILES, num_warps) of the grouped expand: 128-column tiles, a row's tiles in up to 5 runs of TILES
+    (one program per block and run), 4 warps.
 
-    NOTE: H100, add_lora of gpt-oss-20b's w13 (E 32, 4 adapters), us for BLOCK_N 64 / 128 / 256 at 4 warps: rank 16
-    M 1024 84.9 / 79.3 / 90.5, M 4096 251.8 / 237.0 / 242.2; rank 64 M 1024 187.2 / 167.8 / 147.0, M 4096 361.8 /
-    329.8 / 321.2; 8 warps were slower in every case (up to 1.6x). Measured by a sweep that replaced this function
-    around add_lora_triton's CUDA-graph timing (harness.time_graph_us); the product has no switch for it."""
-    return (256 if block_r == 64 else 128 if block_r < 64 else 64), 4
+    NOTE: H100, add_lora (shrink + expand) of gpt-oss-20b (E 32, 4 adapters), us, one program per 128-column tile
+    against runs of TILES tiles in 1 / 3 / 5 programs per row: w13 rank 16 M 1024 80.4 against 95.1 / 84.3 / 77.1,
+    M 4096 237.1 against 232.8 / 204.5 / 203.8; rank 64 M 4096 329.9 against 292.5 / 247.8 / 248.9; w2 rank 16 M
+    1024 68.4 against 70.5 / 64.1 / 61.2, M 4096 173.3 against 166.2 / 154.4 / 156.5; rank 64 M 4096 224.2
+    against 200.6 / 183.5 / 186.9. 64- and 256-column tiles in 3 runs: w13 rank 64 M 4096 281.9 / 329.8, w2 rank
+    16 M 4096 148.2 / 167.7; one tile per program in launch order along the row: 270.0 (w13 rank 16 M 4096).
+    Measured by a sweep of kernel variants around CUDA-graph timings of the call (harness.time_graph_us); the
+    product has no switch for it (its figures: python benchmarks/bench_lora.py, columns add_w13_us and
+    add_w2_us)."""
+    block_n = 128
+    tiles = triton.cdiv(nout, block_n)
+    return block_n, triton.cdiv(tiles, min(5, tiles)), 4
 
 
 def _slot_args(topk_ids, expert_map, mapping, num_experts, num_adapters) -> tuple:
@@ -162,11 +170,11 @@ def _expand(plan: LoraPlan, out, u, lora_b, topk_weights, sorted_in: bool) -> No
             BLOCK_R=triton.next_power_of_2(R), num_warps=4)
         return
     routing = plan.routing
-    block_n, num_warps = expand_tile(routing.block_m, block_r)
-    kern.lora_expand_grouped_kernel[(_programs(routing), triton.cdiv(NOUT, block_n))](
+    block_n, tiles, num_warps = expand_tiles(NOUT)
+    kern.lora_expand_grouped_kernel[(_programs(routing), triton.cdiv(triton.cdiv(NOUT, block_n), tiles))](
         *args, routing.sorted_pairs, routing.block_expert, routing.max_blocks, plan.num_pairs, plan.topk,
         plan.num_experts, R, NOUT, SORTED_IN=sorted_in, HAS_W=topk_weights is not None, MODE=_expand_mode(lora_b),
-        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=num_warps)
+        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_R=block_r, TILES=tiles, num_warps=num_warps, num_stages=3)
 
 
 def lora_shrink_triton(x, lora_a, topk_ids, token_lora_mapping, *, expert_map=None, schedule=None) -> torch.Tensor:
