@@ -4,8 +4,11 @@ schedules (direct, grouped with every block size), ranks 1..64, per-token and pe
 invalid ids, router weights, mixed adapter mappings with -1 and out-of-range ids; inactive pairs bitwise
 untouched; opcheck; compile with dynamic M. The kernels run in Triton's interpreter on CPU tensors and on CUDA.
 CUDA only: the issue's matrix through the ops, CUDA-graph replays with changed adapters and mapping, compile
-with Inductor, LoRA on MXFP4 and fp8 block base weights through UnfusedOAITritonExperts.
+with Inductor, LoRA on MXFP4 and fp8 block base weights through UnfusedOAITritonExperts, the join of the side
+stream that runs the shrink beside the GEMM.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -313,6 +316,35 @@ def test_cuda_unfused_with_lora_on_every_format(quant, M):
     none = mapping < 0
     assert torch.equal(gpu.cpu()[none], base.cpu()[none])
     assert rel_err(gpu.cpu()[~none], base.cpu()[~none]) > 2e-2, "the adapters must change the tokens that have one"
+
+
+@pytest.mark.cuda
+def test_cuda_side_stream_shrink_is_joined(monkeypatch):
+    """Above the direct schedule the LoRA grouping and shrink run on a side stream beside the GEMM: with the side
+    stream held back (a GPU sleep at its start), the expand still waits for them, on the default stream and on a
+    user stream, and the outputs are bitwise those of an undelayed call."""
+    import moe_extension.kernels.fused_experts as fe
+
+    experts_on, inputs = _unfused_case("none", 300, "cuda", seed=11)
+    experts = experts_on("cuda")
+    x, weights, ids, mapping = (t.cuda() for t in inputs)
+    expected = experts.apply(x, weights, ids, token_lora_mapping=mapping)
+    real = fe.side_stream
+
+    @contextlib.contextmanager
+    def delayed(device):
+        with real(device) as side:
+            torch.cuda._sleep(20_000_000)  # ~10 ms of the side stream before its launches
+            yield side
+
+    monkeypatch.setattr(fe, "side_stream", delayed)
+    assert torch.equal(experts.apply(x, weights, ids, token_lora_mapping=mapping), expected)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        out = experts.apply(x, weights, ids, token_lora_mapping=mapping).clone()
+    torch.cuda.current_stream().wait_stream(user)
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.cuda

@@ -1,5 +1,6 @@
 """Launch utilities of the Triton kernels: device facts (TMA, programmatic dependent launch, SM count), the
-current-device guard and the PDL launch options and device-side wait.
+current-device guard, a side stream for work that can run beside the current stream's, and the PDL launch
+options and device-side wait.
 
 Programmatic dependent launch (PDL, sm_90+): a kernel launched with ``launch_pdl`` may start while its
 predecessor in the stream drains; ``grid_dependency(PDL)`` at its start waits for the predecessor's
@@ -45,6 +46,34 @@ def tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
 def sm_count(device: torch.device) -> int:
     """Programs of a persistent launch: the SMs of a GPU; 4 in the interpreter (several tiles each)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream_of(device: torch.device, stream_id: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device):
+    """Launches in the block go to a second stream (one per device and current stream) that starts after the
+    current stream's work so far, and yields it (None off the GPU: the block runs on the current stream).
+    ``join(device, side)`` makes the current stream wait for them before it uses their results. Memory allocated
+    in the block belongs to the side stream: the current stream may use it until the next block on the side
+    stream starts, which waits for the current stream's work first. CUDA-graph capture follows the fork and join."""
+    if device.type != "cuda":
+        yield None
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream_of(device, main.stream_id)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield side
+
+
+def join(device: torch.device, side: torch.cuda.Stream | None) -> None:
+    """The current stream waits for the work of a ``side_stream`` block."""
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
 
 
 @triton.jit

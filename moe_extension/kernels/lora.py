@@ -202,17 +202,40 @@ def lora_expand_triton(out, u, lora_b, topk_ids, token_lora_mapping, *, expert_m
         _expand(plan, out, u, lora_b, topk_weights, sorted_in=False)
 
 
-def add_lora_triton(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, *, expert_map=None, topk_weights=None,
-                    schedule=None) -> None:
-    """out [M, topk, n] += g B[l, e] (A[l, e] x) per active pair, in place: one grouping for both GEMMs."""
+class LoraShrunk(NamedTuple):
+    """The first half of ``add_lora``: its plan and ``u`` (rows by pair, or by sorted row on the grouped schedule)."""
+
+    plan: LoraPlan
+    u: torch.Tensor
+
+
+def add_lora_shrink(x, lora_a, topk_ids, token_lora_mapping, *, expert_map=None, schedule=None) -> LoraShrunk:
+    """The grouping and the shrink of ``add_lora_triton`` (launched on the current stream); ``add_lora_expand``
+    completes it. Neither reads ``out``, so a caller may run this while the GEMM that writes ``out`` runs."""
     L, E, R, _ = lora_a.shape
-    if topk_ids.numel() == 0:
-        return
-    with device_guard(out.device):
+    with device_guard(x.device):
         plan = lora_plan(topk_ids, token_lora_mapping, L, E, expert_map, schedule)
         if plan.schedule == "direct":
             u = torch.empty((topk_ids.numel(), R), dtype=torch.float32, device=x.device)
         else:
             u = torch.empty((plan.routing.max_blocks * plan.routing.block_m, R), dtype=torch.float32, device=x.device)
-        _shrink(plan, x, lora_a, u, sorted_out=True)
-        _expand(plan, out, u, lora_b, topk_weights, sorted_in=True)
+        if topk_ids.numel():
+            _shrink(plan, x, lora_a, u, sorted_out=True)
+    return LoraShrunk(plan, u)
+
+
+def add_lora_expand(out, shrunk: LoraShrunk, lora_b, *, topk_weights=None) -> None:
+    """out [M, topk, n] += g B[l, e] u per active pair, in place, for ``u`` of ``add_lora_shrink``."""
+    if shrunk.plan.num_pairs == 0:
+        return
+    with device_guard(out.device):
+        _expand(shrunk.plan, out, shrunk.u, lora_b, topk_weights, sorted_in=True)
+
+
+def add_lora_triton(out, x, lora_a, lora_b, topk_ids, token_lora_mapping, *, expert_map=None, topk_weights=None,
+                    schedule=None) -> None:
+    """out [M, topk, n] += g B[l, e] (A[l, e] x) per active pair, in place: one grouping for both GEMMs."""
+    if topk_ids.numel() == 0:
+        return
+    shrunk = add_lora_shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map=expert_map, schedule=schedule)
+    add_lora_expand(out, shrunk, lora_b, topk_weights=topk_weights)
