@@ -58,8 +58,9 @@ def side_stream(device: torch.device):
     """Launches in the block go to a second stream (one per device and current stream) that starts after the
     current stream's work so far, and yields it (None off the GPU: the block runs on the current stream).
     ``join(device, side)`` makes the current stream wait for them before it uses their results. Memory allocated
-    in the block belongs to the side stream: the current stream may use it until the next block on the side
-    stream starts, which waits for the current stream's work first. CUDA-graph capture follows the fork and join."""
+    in the block belongs to the side stream: once freed it may serve the next block, whose start waits for all the
+    work enqueued on the current stream before it, so the current stream's uses enqueued in between are safe.
+    CUDA-graph capture (and torch.compile's "reduce-overhead") records the fork and the join."""
     if device.type != "cuda":
         yield None
         return

@@ -9,9 +9,10 @@ strides. Sizes come from shapes only, every launch goes to the current stream: c
 
 Schedule (``lora_plan``), P = M * topk pairs: direct for P <= ``DIRECT_MAX_PAIRS`` (no grouping: 1 launch per
 shrink or expand), grouped above (2 to 4 launches of grouping, then 1 per shrink or expand). ``add_lora``
-groups once for its shrink and expand and keeps ``u`` in sorted order between them. ``FusedExpand``: a direct
-shrink's ``u`` handed to a base GEMV that adds the expand in its epilogue (``expert_gemm1`` / ``expert_gemm2`` with
-LoRA at decode, ``fused_experts._fused_expand``).
+groups once for its shrink and expand and keeps ``u`` in sorted order between them; its two halves
+(``add_lora_shrink``: grouping and shrink, ``add_lora_expand``) let the GEMM ops run the first beside their GEMM.
+``FusedExpand``: a direct shrink's ``u`` handed to a base GEMV that adds the expand in its epilogue
+(``expert_gemm1`` / ``expert_gemm2`` with LoRA at decode, ``fused_experts._fused_expand``).
 """
 
 from __future__ import annotations
@@ -75,15 +76,15 @@ def expand_tiles(nout: int) -> tuple[int, int, int]:
     """(BLOCK_N, TILES, num_warps) of the grouped expand: 128-column tiles, a row's tiles in up to 5 runs of TILES
     (one program per block and run), 4 warps.
 
-    NOTE: H100, add_lora (shrink + expand) of gpt-oss-20b (E 32, 4 adapters), us, one program per 128-column tile
-    against runs of TILES tiles in 1 / 3 / 5 programs per row: w13 rank 16 M 1024 80.4 against 95.1 / 84.3 / 77.1,
-    M 4096 237.1 against 232.8 / 204.5 / 203.8; rank 64 M 4096 329.9 against 292.5 / 247.8 / 248.9; w2 rank 16 M
-    1024 68.4 against 70.5 / 64.1 / 61.2, M 4096 173.3 against 166.2 / 154.4 / 156.5; rank 64 M 4096 224.2
-    against 200.6 / 183.5 / 186.9. 64- and 256-column tiles in 3 runs: w13 rank 64 M 4096 281.9 / 329.8, w2 rank
-    16 M 4096 148.2 / 167.7; one tile per program in launch order along the row: 270.0 (w13 rank 16 M 4096).
-    Measured by a sweep of kernel variants around CUDA-graph timings of the call (harness.time_graph_us); the
-    product has no switch for it (its figures: python benchmarks/bench_lora.py, columns add_w13_us and
-    add_w2_us)."""
+    NOTE: H100, add_lora (shrink + expand) of gpt-oss-20b (E 32, 4 adapters), us, one program per column tile (the
+    rule this replaced: 128 columns, 256 at rank 64) against runs of 128-column tiles in 1 / 3 / 5 programs per row:
+    w13 rank 16 M 1024 80.4 against 95.1 / 84.3 / 77.1, M 4096 237.1 against 232.8 / 204.5 / 203.8; rank 64 M 4096
+    329.9 against 292.5 / 247.8 / 248.9; w2 rank 16 M 1024 68.4 against 70.5 / 64.1 / 61.2, M 4096 173.3 against
+    166.2 / 154.4 / 156.5; rank 64 M 4096 224.2 against 200.6 / 183.5 / 186.9. 64- and 256-column tiles in 3 runs:
+    w13 rank 64 M 4096 281.9 / 329.8, w2 rank 16 M 4096 148.2 / 167.7; one tile per program in launch order along
+    the row: 270.0 (w13 rank 16 M 4096). Measured by a sweep of kernel variants around CUDA-graph timings of the
+    call (harness.time_graph_us); the product has no switch for it (its figures: python benchmarks/bench_lora.py,
+    columns add_w13_us and add_w2_us)."""
     block_n = 128
     tiles = triton.cdiv(nout, block_n)
     return block_n, triton.cdiv(tiles, min(5, tiles)), 4
