@@ -484,11 +484,13 @@ def test_dense_heuristic_tiles_by_block_m():
 
 def test_local_tokens_of_an_expert_parallel_shard(monkeypatch):
     """With an expert_map over more experts than the weights hold, the config is chosen for the tokens whose
-    slots are as many as the local share of M's (uniform routing): M * E / E_global, at least 2 unless M = 1."""
+    slots are as many as the local share of M's (uniform routing): M * E / E_global, at least 2 (also at M = 1:
+    a shard takes the sorted schedule, not the direct one whose grid covers every pair)."""
     shard = torch.full((256,), -1, dtype=torch.int32)
     assert fe.local_tokens(4096, 32, None) == 4096 and fe.local_tokens(4096, 32, torch.arange(32)) == 4096
     assert fe.local_tokens(4096, 32, shard) == 512 and fe.local_tokens(100, 32, shard) == 12
-    assert fe.local_tokens(1, 32, shard) == 1 and fe.local_tokens(8, 32, shard) == 2
+    assert fe.local_tokens(1, 32, shard) == 2 and fe.local_tokens(8, 32, shard) == 2
+    assert fe.local_tokens(1, 32, None) == 1
     asked = []
     monkeypatch.setattr(fe, "get_config", lambda M, *args: asked.append(M) or configs.get_config(M, *args))
     x = torch.zeros(64, 32, dtype=torch.bfloat16)

@@ -89,16 +89,20 @@ def select_config(M: int, hidden_states: torch.Tensor, w1: WeightOperand, w2: We
 
 def local_tokens(M: int, E: int, expert_map: torch.Tensor | None) -> int:
     """The token count a config is chosen for: M, or with an ``expert_map`` over more experts than the E held here
-    (an expert-parallel shard) M * E / E_global, at least 2 unless M = 1: under uniform routing that share of the
-    slots is local, so the local experts see the rows of that many tokens with every slot local (shapes only).
+    (an expert-parallel shard) M * E / E_global, at least 2: under uniform routing that share of the slots is
+    local, so the local experts see the rows of that many tokens with every slot local (shapes only). The floor
+    of 2 keeps a shard off the direct schedule, whose grid covers all M * topk pairs, most of them not local.
     NOTE: DeepSeek-V3's 32-expert shard of 256 (bf16, ``python benchmarks/bench_zoo.py --models deepseek-v3-ep8``)
     on the H100, ours / floor before -> after this and ``_configs.dense_sorted_tiles`` together (not measured
-    apart): M = 8 1.09 -> 1.06, 64 1.03 -> 0.99, 512 1.06 -> 1.02, 2048 1.18 -> 1.17, 8192 2.15 -> 1.62. With
-    a floor of 2 tokens, M = 8 takes the sorted schedule: the direct one (chosen for 1 local token) took 458 us
-    against 211 (its grid covers all M * topk pairs, most of them not local)."""
+    apart): M = 8 1.09 -> 1.06, 64 1.03 -> 0.99, 512 1.06 -> 1.02, 2048 1.18 -> 1.17, 8192 2.15 -> 1.62. M = 8
+    with the direct schedule (chosen for 1 local token) took 458 us against 211 sorted. M = 1, the same shard,
+    CUDA-graph medians over 8 random routings (0.75 local pairs on average): direct 59.4 us, sorted (the config
+    of 2 tokens) 36.8; with no local pair 42.2 against 10.7 (the direct second GEMV's 3584 programs per token
+    cost 40 us with nothing to read), with one 63.7 against 55.2 (a scratch A/B of the two configs through
+    ``fused_experts_triton(config=...)``; its figure: the deepseek-v3-ep8 M = 1 cell of bench_zoo.py)."""
     if expert_map is None or expert_map.numel() <= E:
         return M
-    return max(1 if M == 1 else 2, round(M * E / expert_map.numel()))
+    return max(2, round(M * E / expert_map.numel()))
 
 
 def _stride(t: torch.Tensor | None, dim: int) -> int:
