@@ -323,21 +323,23 @@ def test_cuda_side_stream_shrink_is_joined(monkeypatch):
     """Above the direct schedule the LoRA grouping and shrink run on a side stream beside the GEMM: with the side
     stream held back (a GPU sleep at its start), the expand still waits for them, on the default stream and on a
     user stream, and the outputs are bitwise those of an undelayed call."""
-    import moe_extension.kernels.fused_experts as fe
+    import moe_extension.kernels.lora as kl
 
     experts_on, inputs = _unfused_case("none", 300, "cuda", seed=11)
     experts = experts_on("cuda")
     x, weights, ids, mapping = (t.cuda() for t in inputs)
     expected = experts.apply(x, weights, ids, token_lora_mapping=mapping)
-    real = fe.side_stream
+    real = kl.side_stream
+    entered = []
 
     @contextlib.contextmanager
     def delayed(device):
+        entered.append(device)
         with real(device) as side:
             torch.cuda._sleep(20_000_000)  # ~10 ms of the side stream before its launches
             yield side
 
-    monkeypatch.setattr(fe, "side_stream", delayed)
+    monkeypatch.setattr(kl, "side_stream", delayed)
     assert torch.equal(experts.apply(x, weights, ids, token_lora_mapping=mapping), expected)
     user = torch.cuda.Stream()
     user.wait_stream(torch.cuda.current_stream())
@@ -345,6 +347,7 @@ def test_cuda_side_stream_shrink_is_joined(monkeypatch):
         out = experts.apply(x, weights, ids, token_lora_mapping=mapping).clone()
     torch.cuda.current_stream().wait_stream(user)
     assert torch.equal(out, expected)
+    assert len(entered) == 4, "both GEMMs of both calls must have forked through the delayed side stream"
 
 
 @pytest.mark.cuda

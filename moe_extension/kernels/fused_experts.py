@@ -52,13 +52,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major
-from moe_extension.kernels._launch import (device_guard, join, pdl_capable, pdl_options, side_stream, sm_count,
-                                           tma_capable, tma_layout_ok)
+from moe_extension.kernels._launch import (device_guard, join, pdl_capable, pdl_options, sm_count, tma_capable,
+                                           tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
 from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WFMT_MXFP4_MMA, WeightOperand
-from moe_extension.kernels.lora import (FusedExpand, add_lora_expand, add_lora_shrink, expand_epilogue_args,
+from moe_extension.kernels.lora import (FusedExpand, add_lora_expand, add_lora_shrink_beside, expand_epilogue_args,
                                         lora_shrink_triton)
 
 
@@ -537,7 +537,7 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
             _gemv1(hidden_states, w1, w1_bias, h_rows, topk_ids, expert_map, kern.ACT_NONE, topk_weights, 0.0, 0.0,
                    cfg.gemm1, lora=fused)
         else:
-            shrunk, side = _lora_shrink_beside(hidden_states, lora_a, topk_ids, token_lora_mapping, expert_map)
+            shrunk, side = add_lora_shrink_beside(hidden_states, lora_a, topk_ids, token_lora_mapping, expert_map)
             x, x_scale = hidden_states, None
             if w1.fmt == WFMT_FP8_BLOCK and topk_weights is None:
                 x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0)
@@ -548,22 +548,6 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
                 join(dev, side)
                 add_lora_expand(h, shrunk, lora_b, topk_weights=topk_weights)
     return h
-
-
-def _lora_shrink_beside(x, lora_a, topk_ids, token_lora_mapping, expert_map):
-    """The LoRA term's grouping and shrink (``add_lora_shrink``) of a sorted-schedule GEMM, launched on a side
-    stream (``_launch.side_stream``) so that they run beside the GEMM, which they do not depend on; (None, None)
-    without adapters. The caller joins the side stream before ``add_lora_expand`` adds the term to the GEMM's output.
-    NOTE: H100, ``UnfusedOAITritonExperts`` with 4 adapters over the same call without LoRA, against the same launches
-    on the current stream (CUDA-graph medians of 3 interleaved rounds, bitwise equal outputs): gpt-oss-20b rank 16
-    M 256 1.126 -> 1.086, M 1024 1.142 -> 1.097, M 4096 1.152 -> 1.134; rank 64 M 4096 1.175 -> 1.164; gpt-oss-120b
-    rank 16 M 4096 1.126 -> 1.118. Measured by an A/B that replaced this function (the product has no switch for
-    it; its figures: python benchmarks/bench_lora.py)."""
-    if lora_a is None:
-        return None, None
-    with side_stream(x.device) as side:
-        shrunk = add_lora_shrink(x, lora_a, topk_ids, token_lora_mapping, expert_map=expert_map)
-    return shrunk, side
 
 
 def _fused_expand(x, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map) -> FusedExpand | None:
@@ -605,7 +589,7 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
             fused = _fused_expand(intermediate, lora_a, lora_b, token_lora_mapping, topk_ids, expert_map)
             _gemv2(intermediate, w2, w2_bias, y, topk_ids, expert_map, topk_weights, False, config.gemm2, lora=fused)
         else:
-            shrunk, side = _lora_shrink_beside(intermediate, lora_a, topk_ids, token_lora_mapping, expert_map)
+            shrunk, side = add_lora_shrink_beside(intermediate, lora_a, topk_ids, token_lora_mapping, expert_map)
             routing = route(topk_ids, E, config.block_m, expert_map, pdl=pdl)
             _gemm2_sorted(intermediate, False, w2, w2_bias, y.unsqueeze(0), routing, topk, topk_weights, config.gemm2,
                           pdl)
