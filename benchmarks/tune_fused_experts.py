@@ -252,11 +252,12 @@ def with_tma(candidates, weights_only: bool = False, quant: str = "none"):
     ``weights_only`` (gemm1) also with TMA loads of the weight tiles alone.
 
     MXFP4 (``quant="mxfp4"`` / ``"mxfp4_mma"``): its weight tiles are always pointer loads (packed bytes and
-    scales, decoded in registers), so gemm2 gets only the variant with TMA loads of its sorted rows, and gemm1
-    (``weights_only``) no variant."""
+    scales, decoded in registers), so each candidate gets only the variant with TMA loads of its A rows.
+    NOTE: for gemm1 that pays on some shapes and not on others (H100, mxfp4_mma, table tiles + ``tma_a``, CUDA-graph
+    replay of fused_experts): gpt-oss-20b M = 4096 1978.5 -> 1877.7 us, gpt-oss-120b M = 1024 1127.2 -> 1086.2; but
+    gpt-oss-20b M = 1024 625.3 -> 808.5 and gpt-oss-120b M = 4096 2347.2 -> 3035.6: a per-shape choice of the table."""
     if quant in ("mxfp4", "mxfp4_mma"):
-        return list(candidates) if weights_only else [
-            g for c in candidates for g in (c, dataclasses.replace(c, tma_a=True))]
+        return [g for c in candidates for g in (c, dataclasses.replace(c, tma_a=True))]
     if quant == "fp8_block":  # every combination: TMA weights and TMA rows each pay on some shapes
         return [dataclasses.replace(c, tma_weights=w, tma_a=a) for c in candidates for w in (True, False)
                 for a in (False, True)]

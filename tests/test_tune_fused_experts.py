@@ -94,8 +94,8 @@ def test_mxfp4_candidates(block_m, small):
         for g in gs:  # sanitize for MXFP4 keeps every candidate as it is
             cfg = MoeConfig("sorted", block_m, g, g)
             assert getattr(sanitize(cfg, torch.bfloat16, 2880, 2880, 4, "mxfp4"), which) == g
-    assert not any(g.tma_a for g in g1s), "gemm1 of MXFP4: no TMA variants"
-    assert {g for g in g2s if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in g2s if not g.tma_a}
+    for gs in (g1s, g2s):  # each tile with pointer-gathered and with TMA-loaded A rows
+        assert {g for g in gs if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in gs if not g.tma_a}
     want1, want2 = H100_MXFP4_TILES[16 if block_m <= 32 else block_m]  # block_m 32 takes block_m 16's tiles
     assert set(want1) <= {_tile(g) for g in g1s} and set(want2) <= {_tile(g) for g in g2s}
     assert any(g.split_k > 1 for g in g2s) == (small and block_m <= 32)
@@ -114,8 +114,8 @@ def test_mxfp4_mma_candidates(block_m, small):
         for g in gs:
             cfg = MoeConfig("sorted", block_m, g, g)
             assert getattr(sanitize(cfg, torch.bfloat16, 2880, 2880, 4, "mxfp4_mma"), which) == g
-    assert not any(g.tma_a for g in g1s), "gemm1: no TMA variants"
-    assert {g for g in g2s if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in g2s if not g.tma_a}
+    for gs in (g1s, g2s):  # each tile with pointer-gathered and with TMA-loaded A rows
+        assert {g for g in gs if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in gs if not g.tma_a}
     assert any(g.split_k > 1 for g in g2s) == (small and block_m <= 32)
 
 
@@ -154,9 +154,10 @@ def test_fp8_weights_layouts(monkeypatch, layout):
 
 def test_with_tma_of_mxfp4():
     tiles = [GemmConfig(64, 64, 4, 4), GemmConfig(128, 128, 8, 3)]
-    assert tune.with_tma(tiles, weights_only=True, quant="mxfp4") == tiles
-    assert tune.with_tma(tiles, quant="mxfp4") == [tiles[0], dataclasses.replace(tiles[0], tma_a=True),
-                                                   tiles[1], dataclasses.replace(tiles[1], tma_a=True)]
+    want = [tiles[0], dataclasses.replace(tiles[0], tma_a=True), tiles[1], dataclasses.replace(tiles[1], tma_a=True)]
+    for quant in ("mxfp4", "mxfp4_mma"):  # TMA rows only (the weights are decoded in registers), gemm1 too
+        assert tune.with_tma(tiles, weights_only=True, quant=quant) == want
+        assert tune.with_tma(tiles, quant=quant) == want
 
 
 @pytest.mark.parametrize("block_m", [16, 64, 128])
