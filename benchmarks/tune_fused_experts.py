@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------
 
 
-def block_m_candidates(M: int, E: int, topk: int, quant: str = "none") -> list[int]:
+def block_m_candidates(M: int, E: int, topk: int) -> list[int]:
     from moe_extension.kernels._configs import expected_hit_experts
 
     P = M * topk
@@ -136,16 +136,15 @@ def block_m_candidates(M: int, E: int, topk: int, quant: str = "none") -> list[i
     ladder = [16, 32, 64, 128]
     best = min(ladder, key=lambda b: abs(math.log2(b) - math.log2(max(rows, 1.0))))
     i = ladder.index(best)
-    # NOTE: the block nearest the expected rows per expert, and the one below (less padding waste).
-    picks = {best, ladder[max(0, i - 1)]} if rows > 24 else {16}
-    if quant == "mxfp4_mma" and rows > 24:
-        # NOTE: and the one above: an MXFP4 tile decodes its weights once per block, so an expert split into a
-        # full block and a small one decodes twice; one taller block with a tail tile decodes once. H100, block_m
-        # 64 (256-row tiles on 8 warps, tail 32) against the table's 32, CUDA-graph replay: gpt-oss-120b M = 1024
-        # 1165.8 -> 1081.6 us, gpt-oss-20b M = 256 334.4 -> 306.8 us; see the tuner's per-block_m totals of
-        # ``python benchmarks/tune_fused_experts.py --quant mxfp4_mma --tokens 256 1024``.
-        picks.add(ladder[min(len(ladder) - 1, i + 1)])
-    return sorted(picks)
+    if rows <= 24:
+        return [16]
+    # NOTE: the block nearest the expected rows per expert, the one below (less padding waste) and the one above
+    # (an expert that spills into a second, small block runs twice the weight tiles; with MXFP4 it decodes them
+    # twice). H100, the block above won: gpt-oss-120b mxfp4_mma M = 1024 block_m 64 against 32, tuner totals
+    # 1160.4 -> 1084.1 us, gpt-oss-20b M = 256 311.7 -> 286.2 us (``python benchmarks/tune_fused_experts.py --quant
+    # mxfp4_mma --tokens 256 1024``); in bf16 vLLM's block of 64 rows beat our 32 by 25% at qwen3-next-80b-a3b-tp2
+    # M = 2048 (40 rows per expert; benchmarks/results/zoo_h100.json).
+    return sorted({ladder[max(0, i - 1)], best, ladder[min(len(ladder) - 1, i + 1)]})
 
 
 def gemm1_candidates(block_m: int):
@@ -464,7 +463,7 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     best = None
-    bms = block_m_candidates(M, E, topk, quant)
+    bms = block_m_candidates(M, E, topk)
     if fp8:
         bms = sorted({min(bm, FP8_MAX_BLOCK_M) for bm in bms})
     # fp8 block: x quantized up front (as the fused path does unless gemm1 gathers its rows), the
