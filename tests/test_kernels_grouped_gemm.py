@@ -461,25 +461,37 @@ def test_sanitize_clamps():
 
 
 def test_dense_heuristic_tiles_by_block_m():
-    """16-bit weights (dbrx-tp8's experts: E 16, topk 4, K 6144, N 1344): blocks of 128 rows from 96 rows per
-    expert on, and the tiles of ``dense_sorted_tiles`` per block height; fp32 activations and the quantized formats
-    keep their own rules."""
+    """16-bit weights (dbrx-tp8's experts: E 16, topk 4, K 6144, N 1344): blocks of 64 rows from 24 rows per expert
+    on, of 128 from 96, and the tiles of ``dense_sorted_tiles`` per block height (gemm2 persistent at 128); fp32
+    activations and the quantized formats keep their own rules."""
     def bf16(M, N=1344, dtype=torch.bfloat16, quant="none"):
         return configs.heuristic_config(M, 16, N, 6144, 4, dtype, True, True, 132, quant)
 
     c = bf16(512)  # 128 rows per expert
     assert c.block_m == 128 and (c.gemm1.block_n, c.gemm1.group_m, c.gemm1.tma_weights) == (128, 0, True)
-    assert (c.gemm2.block_n, c.gemm2.tma_weights) == (256, True)
+    assert (c.gemm2.block_n, c.gemm2.tma_weights, c.gemm2.persistent) == (256, True, True)
     c = bf16(300)  # 75 rows
     assert c.block_m == 64 and c.gemm1.block_n == 64 and c.gemm1.tma_weights and bf16(300, N=4096).gemm1.block_n == 128
-    c = bf16(128)  # 32 rows
+    assert not c.gemm2.persistent
+    assert bf16(128).block_m == 64 and bf16(100).block_m == 64  # 32 and 25 rows: the block above
+    c = bf16(80)  # 20 rows
     assert c.block_m == 32 and (c.gemm1.block_k, c.gemm1.tail_m) == (128, 16) and c.gemm2.tma_a and c.gemm2.tma_weights
     c = bf16(32)  # 8 rows
     assert c.block_m == 16 and (c.gemm1.block_n, c.gemm1.block_k) == (32, 128) and c.gemm2.tma_weights
     assert bf16(512, dtype=torch.float32).block_m == 64 and not bf16(512, dtype=torch.float32).gemm1.tma_weights
+    assert bf16(128, quant="mxfp4").block_m == 32 and not bf16(512, quant="mxfp4").gemm2.persistent
     mx = bf16(512, quant="mxfp4")
     assert mx.block_m == 64 and mx.gemm1.group_m == 8 and not mx.gemm1.tma_weights
     assert bf16(512, quant="fp8_block").block_m == 64
+
+
+def test_direct_heuristic_second_gemv_rows():
+    """The second GEMV's tile spans the slots: with many slots (qwen3-next-80b-a3b-tp2: E 512, topk 10, N 256) it
+    takes two output rows of half the reduction, never one row; wider tiles keep their shape (gpt-oss-120b)."""
+    c = configs.heuristic_config(1, 512, 256, 2048, 10, torch.bfloat16, True, True, 132)
+    assert c.path == "direct" and (c.gemm2.block_n, c.gemm2.block_k) == (2, 128)
+    c = configs.heuristic_config(1, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132)
+    assert c.path == "direct" and (c.gemm2.block_n, c.gemm2.block_k) == (4, 256)
 
 
 def test_local_tokens_of_an_expert_parallel_shard(monkeypatch):

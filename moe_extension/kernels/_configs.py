@@ -195,6 +195,9 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
     # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
     block_m = 16 if rows <= 16 else 32 if rows <= 40 else 64 if rows <= 160 else 128
+    if rows > 24 and quant == "none" and esize == 2:
+        # 16-bit weights: see dense_sorted_tiles (blocks of 64 from 24 rows per expert on).
+        block_m = max(block_m, 64)
     if rows >= 96 and (quant == "mxfp4_mma" or (quant == "none" and esize == 2)):
         # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
         # 16-bit weights: see dense_sorted_tiles.
@@ -270,6 +273,16 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     - 128 rows: gemm1 128 columns (256 weight rows), weights by TMA in expert-major order; gemm2 256 output
       columns, weights by TMA.
 
+    From 24 rows per expert on, blocks of 64 rows: at 32-40 rows an expert often spills into a second, small
+    block of 32 that runs its weight tiles again. From 128 rows (blocks of 128), gemm2 runs as the persistent kernel.
+
+    NOTE: the tuner's runs on two zoo shapes (``python benchmarks/tune_fused_experts.py --models
+    qwen3-next-80b-a3b-tp2 qwen3-235b-a22b-tp4 --tokens 1 8 64 512 2048 8192``, H100, bf16, swigluoai), tuner totals:
+    blocks of 64 against 32 at qwen3-next M = 2048 (40 rows per expert) 664.6 against 691.5 us, and the tuned
+    entry (block_m 64) at qwen3-235b M = 512 (32 rows) 459.6 against this rule's former block of 32, 482.4 us end to
+    end; the persistent gemm2 against the same tile non-persistent at blocks of 128: qwen3-235b M = 8192 684.8
+    against 829.8 us (gemm2 + slot sum), M = 2048 255.4 against 295.2, qwen3-next M = 8192 559.9 against 598.7.
+
     NOTE: against the tiles this rule replaced (64-column gemm1 tiles from pointers at every block_m, 128-column
     gemm2 tiles, blocks of 128 rows from 160 rows per expert on), the 14 zoo shapes without table entries on the
     H100 (``python benchmarks/bench_zoo.py``, bf16, swigluoai; the expert-parallel shard also with
@@ -291,7 +304,7 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
                                  tma_weights=True)
     elif block_m == 128:
         g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True)
-        g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True)
+        g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
     return g1, g2
 
 
@@ -365,6 +378,11 @@ def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms, tile=Non
         bn2 = max(1, tile // (slots * bk2))
         while M * math.ceil(K / bn2) < 3 * num_sms and bn2 > 1:
             bn2 //= 2
+        if bn2 == 1 and bk2 >= 256:
+            # NOTE: two output rows of half the reduction rather than one: the tuner's pick at qwen3-next-80b-a3b-tp2
+            # M = 1 (E 512, topk 10, N 256; H100): 17.5 us end to end against 23.1 for one row of 256 (``python
+            # benchmarks/tune_fused_experts.py --models qwen3-next-80b-a3b-tp2 --tokens 1``).
+            bn2, bk2 = 2, bk2 // 2
     else:
         # NOTE: the output dim is the contiguous one here; 32-byte rows are the smallest that waste no
         # sector, so that is as far as the tile narrows to make programs.
