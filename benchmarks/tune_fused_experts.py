@@ -142,8 +142,8 @@ def block_m_candidates(M: int, E: int, topk: int) -> list[int]:
     # (an expert that spills into a second, small block runs twice the weight tiles; with MXFP4 it decodes them
     # twice). H100, the block above won: gpt-oss-120b mxfp4_mma M = 1024 block_m 64 against 32, tuner totals
     # 1160.4 -> 1084.1 us, gpt-oss-20b M = 256 311.7 -> 286.2 us (``python benchmarks/tune_fused_experts.py --quant
-    # mxfp4_mma --tokens 256 1024``); in bf16 vLLM's block of 64 rows beat our 32 by 25% at qwen3-next-80b-a3b-tp2
-    # M = 2048 (40 rows per expert; benchmarks/results/zoo_h100.json).
+    # mxfp4_mma --tokens 256 1024``); bf16, qwen3-next-80b-a3b-tp2 M = 2048 (40 rows per expert) block_m 64 against
+    # 32, 664.6 against 691.5 us (``--models qwen3-next-80b-a3b-tp2 --tokens 2048``).
     return sorted({ladder[max(0, i - 1)], best, ladder[min(len(ladder) - 1, i + 1)]})
 
 
