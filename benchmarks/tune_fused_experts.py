@@ -252,9 +252,10 @@ def with_tma(candidates, weights_only: bool = False, quant: str = "none"):
 
     MXFP4 (``quant="mxfp4"`` / ``"mxfp4_mma"``): its weight tiles are always pointer loads (packed bytes and
     scales, decoded in registers), so each candidate gets only the variant with TMA loads of its A rows.
-    NOTE: for gemm1 that pays on some shapes and not on others (H100, mxfp4_mma, table tiles + ``tma_a``, CUDA-graph
-    replay of fused_experts): gpt-oss-20b M = 4096 1978.5 -> 1877.7 us, gpt-oss-120b M = 1024 1127.2 -> 1086.2; but
-    gpt-oss-20b M = 1024 625.3 -> 808.5 and gpt-oss-120b M = 4096 2347.2 -> 3035.6: a per-shape choice of the table."""
+    NOTE: for gemm1 that pays on some shapes and not on others; H100, mxfp4_mma, gemm1 alone (the copy included)
+    without -> with TMA rows, from ``python benchmarks/tune_fused_experts.py --quant mxfp4_mma --tokens 1024 4096``:
+    gpt-oss-20b 128x128 w8 s3 M = 4096 1365.3 -> 1225.3 us, M = 1024 468.8 -> 409.5; gpt-oss-120b M = 1024 block_m
+    16 64x128 w4 1030.2 -> 1033.8, block_m 64 128x128 w8 754.7 -> 765.7: a per-shape choice of the table."""
     if quant in ("mxfp4", "mxfp4_mma"):
         return [g for c in candidates for g in (c, dataclasses.replace(c, tma_a=True))]
     if quant == "fp8_block":  # every combination: TMA weights and TMA rows each pay on some shapes
