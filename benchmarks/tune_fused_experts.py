@@ -456,7 +456,7 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
     from moe_extension.kernels._configs import MoeConfig, sanitize
     from moe_extension.kernels._routing import route
 
-    from moe_extension.kernels._configs import FP8_MAX_BLOCK_M
+    from moe_extension.kernels._configs import fp8_max_block_m
     from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 
     quant = weight_quant(w1)
@@ -466,7 +466,7 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
     best = None
     bms = block_m_candidates(M, E, topk)
     if fp8:
-        bms = sorted({min(bm, FP8_MAX_BLOCK_M) for bm in bms})
+        bms = sorted({min(bm, fp8_max_block_m(N)) for bm in bms})
     # fp8 block: x quantized up front (as the fused path does unless gemm1 gathers its rows), the
     # intermediate stored quantized (e4m3 rows + scales per 128 columns)
     xq = [quantize_fp8_rows(x) if fp8 else (x, None) for x, _, _ in sets]

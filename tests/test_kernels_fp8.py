@@ -147,8 +147,11 @@ SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(128, 128, 4, 2, tail_m=16), Gem
 # gemm2's reduction in two splits of 128 columns, expert-major.
 SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(128, 128, 4, 2, group_m=0),
                          GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
+# 128-row blocks (N a multiple of 128: one weight scale per 128-row part of a tile), 64-row tail tiles.
+SORTED_128 = MoeConfig("sorted", 128, GemmConfig(128, 128, 8, 2, tail_m=64), GemmConfig(128, 128, 8, 2))
 DIRECT = MoeConfig("direct", 0, GemmConfig(32, 128, 4, 2), GemmConfig(16, 256, 4, 2))
-CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "direct": DIRECT}
+CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "sorted_128": SORTED_128,
+           "direct": DIRECT}
 
 
 def checked_config(name, dtype, N, K, topk) -> MoeConfig:
@@ -169,6 +172,8 @@ FUSED_CASES = [
     ("sorted_split", "silu", torch.float16, 16, 2, 4, 130, 256, dict(bias=True, emap=True)),
     ("sorted_split", "swigluoai", torch.float32, 10, 4, 5, 200, 333, dict(bias=True, transposed=True,
                                                                           on_input=True)),
+    ("sorted_128", "silu", torch.float16, 150, 2, 3, 200, 256, dict(bias=True)),
+    ("sorted_128", "swigluoai", torch.float32, 130, 2, 3, 256, 128, dict(on_input=True, emap=True)),
     ("direct", "silu", torch.float16, 1, 3, 8, 200, 160, dict(bias=True, emap=True)),
     ("direct", "swigluoai", torch.float32, 3, 4, 9, 256, 96, dict(bias=True, transposed=True, on_input=True)),
     ("direct", "gelu", torch.float16, 4, 2, 6, 300, 130, dict(bias=True)),
@@ -291,11 +296,11 @@ def test_expert_gemms_match_torch(name, on_input, dtype, transposed, ue8m0):
                                         (256, 8, 7168, 256)])
 def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
     """The configs the product picks for fp8 block on any shape: whole 128-column scale blocks per step, gemm1
-    output tiles of whole 128-column groups (its epilogue quantizes them), blocks of at most FP8_MAX_BLOCK_M rows,
+    output tiles of whole 128-column groups (its epilogue quantizes them), blocks of at most fp8_max_block_m rows,
     no persistent gemm2, and the pipelined tiles within the shared-memory budget."""
     cfg = configs.get_config(M, E, N, K, topk, dtype, True, True, torch.device("cpu"), "fp8_block")
     a_esize = torch.empty((), dtype=dtype).element_size()
-    assert cfg.block_m <= configs.FP8_MAX_BLOCK_M
+    assert cfg.block_m <= configs.fp8_max_block_m(N)
     for g, mult in ((cfg.gemm1, 2), (cfg.gemm2, 1)):
         assert not g.persistent
         if cfg.path == "sorted":
@@ -313,7 +318,8 @@ def test_sanitize_fp8_fixes_tiles():
     cfg = configs.sanitize(bad, torch.bfloat16, 333, 1000, 8, quant="fp8_block")
     assert (cfg.gemm1.block_k, cfg.gemm2.block_k) == (128, 128)
     assert cfg.gemm1.block_n == 128 and cfg.gemm2.block_n == 128
-    assert cfg.block_m == 64 and not cfg.gemm2.persistent
+    assert cfg.block_m == 64 and not cfg.gemm2.persistent  # N not a multiple of 128: see fp8_max_block_m
+    assert configs.sanitize(bad, torch.bfloat16, 2048, 1000, 8, quant="fp8_block").block_m == 128
     assert cfg.gemm2.split_k <= math.ceil(333 / 128)
     direct = configs.sanitize(dataclasses.replace(bad, path="direct", block_m=0), torch.bfloat16, 333, 1000, 8,
                               quant="fp8_block")

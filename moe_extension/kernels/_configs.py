@@ -45,10 +45,17 @@ SMEM_BUDGET = 200 * 1024
 # store: 3 stages of 128 x (128 + 256) x 64 bf16 plus the 128 x 256 tile compiled to 213,528 B on the H100.
 PERSISTENT_SMEM_BUDGET = 216 * 1024
 # NOTE: fp8 block adds each 128-column block's product to the accumulator after scaling it, so a tile holds two
-# fp32 [block_m, weight rows] tiles in registers. Triton 3.6 for sm_90 (SASS of the compiled kernels, E4M3
-# wgmma): gemm1 64 x (2 x 128) on 8 warps 254 registers, gemm2 64 x 128 on 4 warps 239, no spills; 128-row
-# tiles spill (gemm2 128 x 128 on 8 warps: 312 B of stack per thread).
-FP8_MAX_BLOCK_M = 64
+# fp32 [block_m, weight rows] tiles in registers, and a weight scale per column unless its rows share a scale
+# block (``fp8_part_scales``). Triton 3.6 for sm_90 (ptxas -v of gemm1_sorted_kernel, E4M3 wgmma, silu, 8 warps,
+# 3 stages): 64 x (2 x 128) 220 registers with one scale per 128-row part (255 with one per row); 128 x (2 x 128)
+# 255 registers, its 136 B of spills outside the k loop; with scales per row (the up rows when N is not a multiple
+# of 128) 1180 B of spills. So 128-row blocks only where N is a multiple of 128.
+FP8_MAX_BLOCK_M = 128
+
+
+def fp8_max_block_m(N: int) -> int:
+    """Rows per block of fp8 block tiles for intermediate size N (see FP8_MAX_BLOCK_M)."""
+    return FP8_MAX_BLOCK_M if N % 128 == 0 else 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,18 +251,18 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if quant == "fp8_block":
         # fp8 block: one 128-column scale block per step (block_k 128, fixed) and 128 output columns, so that
         # gemm1's epilogue quantizes whole 128-column groups of its output; weight tiles by TMA; rows per block
-        # at most FP8_MAX_BLOCK_M (see there).
+        # at most fp8_max_block_m (see FP8_MAX_BLOCK_M).
         # NOTE: gemm1 in expert-major order (group_m 0) against L2 super-groups of 8: DeepSeek-V3 layer (E 256,
         # topk 8, K 7168, N 2048) on the H100, fused_experts 4487 -> 4362 us at M = 1024, 11891 -> 11655 us at
         # M = 8192, 3401 -> 3394 at M = 64 (``python benchmarks/bench_fused_experts_fp8.py --skip-peers``).
-        block_m = min(block_m, FP8_MAX_BLOCK_M)
-        g1 = dataclasses.replace(g1, block_n=128, block_k=128, num_warps=8 if block_m == 64 else 4, num_stages=3,
+        block_m = min(block_m, fp8_max_block_m(N))
+        g1 = dataclasses.replace(g1, block_n=128, block_k=128, num_warps=8 if block_m >= 64 else 4, num_stages=3,
                                  group_m=0, tma_weights=True, tma_a=False, tail_m=block_m // 4 if block_m >= 64 else 0)
         # NOTE: TMA loads of gemm2's quantized intermediate at block_m 64: 12069 -> 11785 us at M = 8192 and
         # 6700 -> 6563 at M = 4096 (block_m 32 at M = 1024: 4336 -> 4340). gemm1's sorted quantized copy for TMA
         # (tma_a) was slower: 12069 -> 12497 at M = 8192, 4336 -> 4418 at M = 1024 (same layer and command).
-        g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=4, num_stages=4, tma_weights=True,
-                                 tma_a=block_m >= 64)
+        g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=8 if block_m == 128 else 4, num_stages=4,
+                                 tma_weights=True, tma_a=block_m >= 64)
     if quant == "mxfp4_mma":
         g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2, blocks, K, N, num_sms)
     return MoeConfig("sorted", block_m, g1, g2)
@@ -408,7 +415,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots).
     MXFP4 weights: block_k of at least one scale group (32) and tiles of at least 4 packed bytes per thread
     (``mxfp4_tiles``), pointer loads of the weights and no persistent gemm2 (both need 16-bit weights).
-    fp8 block: ``fp8_tiles`` (whole 128-column scale blocks), block_m up to FP8_MAX_BLOCK_M, no persistent
+    fp8 block: ``fp8_tiles`` (whole 128-column scale blocks), block_m up to ``fp8_max_block_m``, no persistent
     gemm2."""
     esize = torch.empty((), dtype=dtype).element_size()
     g1, g2 = cfg.gemm1, cfg.gemm2
@@ -428,7 +435,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
         g1 = dataclasses.replace(g1, persistent=False)
         g2 = dataclasses.replace(g2, persistent=False)
     if cfg.path == "sorted":
-        bm = min(FP8_MAX_BLOCK_M if quant == "fp8_block" else 128, max(16, triton_next_pow2(cfg.block_m)))
+        bm = min(fp8_max_block_m(N) if quant == "fp8_block" else 128, max(16, triton_next_pow2(cfg.block_m)))
         g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm)), bm, 2, 16, esize)
         if g2.persistent:
             g2 = _fit(dataclasses.replace(g2, tail_m=0, split_k=1), bm, 1, 16, esize, out_tile=True)
@@ -463,11 +470,12 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
 
 def fp8_tiles(g: GemmConfig, block_m: int, col_mult: int, a_esize: int, sorted_path: bool) -> GemmConfig:
     """An fp8 block tile: sorted (tensor-core steps), block_k = 128 (one scale block per step) and block_n a
-    multiple of 128 (gemm1's epilogue quantizes whole 128-column groups); GEMV, block_k a multiple of 128. Stages
+    multiple of 128 (gemm1's epilogue quantizes whole 128-column groups; gemm1, ``col_mult`` 2: 128, its tiles
+    hold at most two 128-row parts); GEMV, block_k a multiple of 128. Stages
     shrink until the activation tiles (``a_esize`` bytes, the worst case: they may be quantized already) and
     the 1-byte weight tiles fit SMEM_BUDGET; then GEMV tiles narrow block_n."""
     bk = 128 if sorted_path else max(128, g.block_k)
-    bn = max(128, g.block_n) if sorted_path else g.block_n
+    bn = (128 if col_mult == 2 else max(128, g.block_n)) if sorted_path else g.block_n
     stages = g.num_stages
 
     def smem():

@@ -116,7 +116,7 @@ def gemv1_dot_kernel(
         for ss in range(SPLIT):
             h += tl.load(part_ptr + (ss * P * tiles + tile).to(tl.int64) * W_ROWS + c, cache_modifier=".cg")
     result = gemm1_epilogue(h[None, :], g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha,
-                            limit, ACT, G_ON_A, BLOCK_N)
+                            limit, ACT, G_ON_A)
     result = tl.reshape(result, (BLOCK_N,))
     if LORA:
         delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,

@@ -48,8 +48,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, quantize_fp8_groups,
-                                                   scale_rows, weight_advance, weight_ptrs)
+from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, fp8_operand,
+                                                   fp8_part_scales, quantize_fp8_groups, scale_rows, weight_advance,
+                                                   weight_ptrs)
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -120,25 +121,66 @@ def gemm1_weight_rows(n0, N_OUT, N_HALF, ACT: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def gemm1_epilogue(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha, limit,
-                   ACT: tl.constexpr, G_ON_A: tl.constexpr, BLOCK_N: tl.constexpr):
-    """gemm1's output tile [BM, BLOCK_N] (fp32) from the sums ``acc`` [BM, W_ROWS] of its weight rows ``wr``
-    (``gemm1_weight_rows``): times the router weights ``g`` [BM] unless G_ON_A (W (g x) + b = g (W x) + b), plus
-    the bias, then the activation of the gate and up halves."""
-    BM: tl.constexpr = acc.shape[0]
+def _weighted_biased(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn,
+                     G_ON_A: tl.constexpr):
+    """``acc`` [BM, R] (sums of the weight rows ``wr``) times the router weights ``g`` [BM] unless G_ON_A
+    (W (g x) + b = g (W x) + b), plus the bias of those rows."""
     if not G_ON_A:
         acc = acc * g[:, None]
     b_lim = tl.where(has_bias != 0, 2 * N_HALF + N_OUT, 0)  # above every row index when on, 0 when off
-    acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
-                   other=0.0).to(tl.float32)[None, :]
+    return acc + tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,
+                         other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _concat_columns(a, b):
+    """[BM, C] and [BM, C] -> [BM, 2 C]: the columns of ``a`` then those of ``b``."""
+    BM: tl.constexpr = a.shape[0]
+    C: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BM, 2 * C))
+
+
+@triton.jit
+def _activate_rows(acc, alpha, limit, ACT: tl.constexpr):
+    """The activation of a tile of summed weight rows [BM, R] as ``gemm1_weight_rows`` orders them -> [BM, R / 2]
+    (none: [BM, R] unchanged): swigluoai splits even (gate) / odd (up) columns, the halves activations the
+    first (gate) / second (up) halves."""
+    BM: tl.constexpr = acc.shape[0]
+    R: tl.constexpr = acc.shape[1]
     if ACT == 0:
         result = acc
     elif ACT == 4:
-        gate, up = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
+        gate, up = tl.split(tl.reshape(acc, (BM, R // 2, 2)))
         result = activate(gate, up, alpha, limit, ACT)
     else:
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BLOCK_N)), (0, 2, 1)))
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, R // 2)), (0, 2, 1)))
         result = activate(gate, up, alpha, limit, ACT)
+    return result
+
+
+@triton.jit
+def gemm1_epilogue(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha, limit,
+                   ACT: tl.constexpr, G_ON_A: tl.constexpr):
+    """gemm1's output tile [BM, BLOCK_N] (fp32) from the sums ``acc`` [BM, W_ROWS] of its weight rows ``wr``
+    (``gemm1_weight_rows``): times the router weights, plus the bias (``_weighted_biased``), then the
+    activation."""
+    acc = _weighted_biased(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, G_ON_A)
+    return _activate_rows(acc, alpha, limit, ACT)
+
+
+@triton.jit
+def gemm1_epilogue_parts(acc, acc_b, g, bias_ptr, expert, wr, wr_b, has_bias, N_OUT, N_HALF, stride_be, stride_bn,
+                         alpha, limit, ACT: tl.constexpr, G_ON_A: tl.constexpr):
+    """``gemm1_epilogue`` of a tile summed in two parts, ``acc`` of the weight rows ``wr`` and ``acc_b`` of
+    ``wr_b`` (each [BM, W_ROWS / 2]), the two halves of the rows in ``gemm1_weight_rows`` order: for the halves
+    activations the gate rows and the up rows, for swigluoai and none those of the first and of the second
+    half of the output columns."""
+    acc = _weighted_biased(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, G_ON_A)
+    acc_b = _weighted_biased(acc_b, g, bias_ptr, expert, wr_b, has_bias, N_OUT, N_HALF, stride_be, stride_bn, G_ON_A)
+    if ACT == 0 or ACT == 4:
+        result = _concat_columns(_activate_rows(acc, alpha, limit, ACT), _activate_rows(acc_b, alpha, limit, ACT))
+    else:
+        result = activate(acc, acc_b, alpha, limit, ACT)
     return result
 
 
@@ -183,7 +225,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
                  ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-                 G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr):
+                 G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr, ROW_SCALES: tl.constexpr):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``).
     G_ON_A: the router weights (apply_router_weight_on_input) scale the A rows, for weight formats whose GEMM
     rounds or quantizes its input (MXFP4: bf16(g x), fp8 block: fp8(g x)); otherwise they scale the product
@@ -208,18 +250,42 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     # 2838 -> 2770 us at mixtral M = 4096 and 861 -> 838 us at mixtral M = 1024
     # (benchmarks/results/ab_silu_stacked_h100.txt); the outputs stayed bitwise equal.
     W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
+    # fp8 block: the weight rows in parts of 128, each with its own accumulator and one scale per step (see
+    # fp8_part_scales; ROW_SCALES: the up part of the halves activations starts inside a scale block when N is
+    # not a multiple of 128, and takes a scale per row).
+    PARTS: tl.constexpr = W_ROWS // 128 if WFMT == 2 else 1
+    tl.static_assert(PARTS <= 2, "fp8 block gemm1 tiles hold at most 256 weight rows")
     wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N)
-    e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
-    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
-                                 scale_rows(e64, wr64, stride_se, stride_sn, WFMT), 0, stride_wk, stride_sk, BLOCK_K,
-                                 WFMT, True)
+    e64 = expert.to(tl.int64)
+    if PARTS == 2:
+        wr, wr_b = tl.split(tl.permute(tl.reshape(wr, (2, W_ROWS // 2)), (1, 0)))
+    else:
+        wr_b = wr
+    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr.to(tl.int64) * stride_wn,
+                                 scale_rows(e64, wr.to(tl.int64), stride_se, stride_sn, WFMT), 0, stride_wk, stride_sk,
+                                 BLOCK_K, WFMT, True)
+    w_ptrs_b, s_ptrs_b = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr_b.to(tl.int64) * stride_wn,
+                                     scale_rows(e64, wr_b.to(tl.int64), stride_se, stride_sn, WFMT), 0, stride_wk,
+                                     stride_sk, BLOCK_K, WFMT, True)
+    if WFMT == 2:
+        # The parts' first rows: multiples of 128 (ACT 0 / 4: n0 and 2 n0 are; wrapped parts feed no stored column).
+        if ACT == 0:
+            row_b = (n0 + W_ROWS // 2) % N_OUT
+        elif ACT == 4:
+            row_b = (2 * n0 + W_ROWS // 2) % (2 * N_HALF)
+        else:
+            row_b = N_HALF + n0
+        s_ptrs = fp8_part_scales(ws_ptr, e64, 2 * n0 if ACT == 4 else n0, stride_se, stride_sn)
+        if not ROW_SCALES:
+            s_ptrs_b = fp8_part_scales(ws_ptr, e64, row_b, stride_se, stride_sn)
     # apply_router_weight_on_input: g of each row (1 when off).
     g = tl.load(gw_ptr + token.to(tl.int64) * stride_gm + (pair - token * topk) * stride_gk,
                 mask=pair < tl.where(router_on_input != 0, P, 0), other=1.0).to(tl.float32)
     if A_Q:
         # Scales per token, or per sorted row when the rows come in sorted order (A_DESC)
         xs_ptrs = xs_ptr + (rows if A_DESC else token).to(tl.int64) * stride_xsm
-    acc = tl.zeros([BM, W_ROWS], dtype=tl.float32)
+    acc = tl.zeros([BM, W_ROWS // PARTS], dtype=tl.float32)
+    acc_b = tl.zeros([BM, W_ROWS // PARTS], dtype=tl.float32)  # PARTS = 2 only
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
             k_ok = offs_k < K - kk * BLOCK_K
@@ -235,7 +301,29 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if G_ON_A:
             a = a.to(tl.float32) * g[:, None]
-        if W_DESC:
+        if PARTS == 2:
+            # One quantization of the step's activations for both parts.
+            a, a_s = fp8_operand(a, a_s, s_ptrs, PTX, A_Q)
+            if W_DESC:
+                if ACT == 0:
+                    w = w_desc.load([expert, n0, kk * BLOCK_K])
+                    w_b = w_desc.load([expert, n0 + W_ROWS // 2, kk * BLOCK_K])
+                elif ACT == 4:
+                    w = w_desc.load([expert, 2 * n0, kk * BLOCK_K])
+                    w_b = w_desc.load([expert, 2 * n0 + W_ROWS // 2, kk * BLOCK_K])
+                else:
+                    w = w_desc.load([expert, 0, n0, kk * BLOCK_K])
+                    w_b = w_desc.load([expert, 1, n0, kk * BLOCK_K])
+                acc = dot_tile(acc, a, a_s, w.reshape(W_ROWS // 2, BLOCK_K).T, s_ptrs, WFMT, PTX, DOT_PREC, True)
+                acc_b = dot_tile(acc_b, a, a_s, w_b.reshape(W_ROWS // 2, BLOCK_K).T, s_ptrs_b, WFMT, PTX, DOT_PREC,
+                                 True)
+            else:
+                acc = dot_step(acc, a, a_s, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC,
+                               True)
+                acc_b = dot_step(acc_b, a, a_s, w_ptrs_b, s_ptrs_b, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX,
+                                 DOT_PREC, True)
+            w_ptrs_b, s_ptrs_b = weight_advance(w_ptrs_b, s_ptrs_b, stride_wk, stride_sk, BLOCK_K, WFMT)
+        elif W_DESC:
             if ACT == 0:
                 w = w_desc.load([expert, n0, kk * BLOCK_K])
             elif ACT == 4:
@@ -249,8 +337,12 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
     acc = acc_finish(acc, WFMT)
 
-    result = gemm1_epilogue(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha, limit,
-                            ACT, G_ON_A, BLOCK_N)
+    if PARTS == 2:
+        result = gemm1_epilogue_parts(acc, acc_b, g, bias_ptr, expert, wr, wr_b, has_bias, N_OUT, N_HALF, stride_be,
+                                      stride_bn, alpha, limit, ACT, G_ON_A)
+    else:
+        result = gemm1_epilogue(acc, g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha,
+                                limit, ACT, G_ON_A)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < N_OUT)[None, :]
@@ -289,7 +381,7 @@ def gemm1_sorted_kernel(
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr,
     SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, Q_OUT: tl.constexpr,
-    A_Q: tl.constexpr,
+    A_Q: tl.constexpr, ROW_SCALES: tl.constexpr,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -299,7 +391,10 @@ def gemm1_sorted_kernel(
     included) are stored as 0, without it they are not written (for a consumer that reads only valid rows).
     W_DESC: the weight tiles come through ``w_desc``, a TMA descriptor of w [E, 2N, K] (block
     [1, weight rows per tile, BLOCK_K]) or, for the halves activations, of its view [E, 2, N, K] (block
-    [1, 2, BLOCK_N, BLOCK_K]: gate and up rows in one load); rows and columns past the end read as 0.
+    [1, 2, BLOCK_N, BLOCK_K]: gate and up rows in one load); rows and columns past the end read as 0. fp8
+    block loads its tiles in parts of 128 rows (``_gemm1_block``): block [1, 128, BLOCK_K] of w, or for the
+    halves activations [1, 1, BLOCK_N, BLOCK_K] of the view. ROW_SCALES (fp8 block, halves activations, N not
+    a multiple of 128): the up rows' scales are loaded per row.
     A_DESC (OUT_SORTED only): the A rows come in sorted order through ``a_desc`` (block [BLOCK_M, BLOCK_K])
     and, for tail tiles, ``a_tail_desc`` (block [TAIL_M, BLOCK_K]), TMA descriptors of the rows that
     ``gather_rows_kernel`` copied (columns past K read as 0), instead of gathered pointer loads of x.
@@ -324,7 +419,7 @@ def gemm1_sorted_kernel(
                      stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A, Q_OUT, A_Q)
+                     G_ON_A, Q_OUT, A_Q, ROW_SCALES)
         if OUT_SORTED and ZERO_PAD:  # the block's rows past the tail tile: 0
             r = tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -342,7 +437,7 @@ def gemm1_sorted_kernel(
                      stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                      stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
                      ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX,
-                     G_ON_A, Q_OUT, A_Q)
+                     G_ON_A, Q_OUT, A_Q, ROW_SCALES)
     if SIGNAL:
         # Every thread's stores come before one gpu-scope release increment of the expert's counter.
         tl.debug_barrier()
@@ -381,6 +476,8 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
                                  scale_rows(e64, wr64, stride_se, stride_sn, WFMT), k_start, stride_wk, stride_sk,
                                  BLOCK_K, WFMT, True)
+    if WFMT == 2 and BLOCK_N == 128:  # one 128-row part: one weight scale per step
+        s_ptrs = fp8_part_scales(ws_ptr, e64, n0, stride_se, stride_sn) + (k_start // 128) * stride_sk
     if A_Q:
         as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm + k_start // 128
     acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)

@@ -490,20 +490,43 @@ def _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
+def fp8_operand(a, a_scale, s_ptrs, PTX: tl.constexpr, A_Q: tl.constexpr):
+    """fp8 block: ``(e4m3 values [BM, 128], scales [BM])`` of the activation tile ``a`` of a step: as given with
+    A_Q (quantized already), else quantized here (power-of-two scales with UE8M0 weight scales)."""
+    if A_Q:
+        aq, a_s = a, a_scale
+    else:
+        aq, a_sg = quantize_fp8_groups(a, PTX, s_ptrs.dtype.element_ty == tl.uint8)
+        a_s = tl.reshape(a_sg, (a.shape[0],))
+    return aq, a_s
+
+
+@triton.jit
+def fp8_part_scales(s_ptr, e64, row0, stride_se, stride_sn):
+    """fp8 block: the one scale pointer (first k step) of a part of 128 weight rows of expert ``e64`` from
+    ``row0``, a multiple of 128: its rows share one scale block, so each step scales the part's product by one
+    weight scale (``dot_tile``) instead of one per row.
+    NOTE: a weight scale per row costs the accumulator's column layout a register per column a thread holds;
+    with one per part, 128-row tiles fit (Triton 3.6, sm_90: see ``FP8_MAX_BLOCK_M`` in _configs.py)."""
+    return s_ptr + e64 * stride_se + (row0 // 128).to(tl.int64) * stride_sn
+
+
+@triton.jit
 def dot_tile(acc, a, a_scale, w, s_ptrs, WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr,
              A_Q: tl.constexpr):
     """``acc [BM, R] += a [BM, BLOCK_K] @ w [BLOCK_K, R]`` for a loaded tile ``w`` of a format whose tiles are
     plain element tiles (dense; fp8 block, whose tiles TMA loads too), ``s_ptrs`` as ``weight_ptrs`` gives them.
 
     fp8 block (BLOCK_K = 128): ``a`` is quantized here, or with A_Q it is quantized already (e4m3 values) and
-    ``a_scale [BM]`` holds its scales; the block's product is scaled by both scales into acc."""
+    ``a_scale [BM]`` holds its scales; the block's product is scaled by both scales into acc. ``s_ptrs`` is
+    one pointer when the tile's R rows share a scale block (``fp8_part_scales``), else one per row."""
     if WFMT == 2:
-        if A_Q:
-            aq, a_s = a, a_scale
+        aq, a_s = fp8_operand(a, a_scale, s_ptrs, PTX, A_Q)
+        ws = fp8_weight_scales(tl.load(s_ptrs))
+        if len(ws.shape) == 0:
+            acc += _fp8_dot(aq, w, PTX) * (a_s * ws)[:, None]
         else:
-            aq, a_sg = quantize_fp8_groups(a, PTX, s_ptrs.dtype.element_ty == tl.uint8)
-            a_s = tl.reshape(a_sg, (a.shape[0],))
-        acc += _fp8_dot(aq, w, PTX) * a_s[:, None] * fp8_weight_scales(tl.load(s_ptrs))[None, :]
+            acc += _fp8_dot(aq, w, PTX) * a_s[:, None] * ws[None, :]
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     return acc

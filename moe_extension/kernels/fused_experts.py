@@ -45,6 +45,8 @@ M = 1 took 72.7 us against 71.2 and mixtral M = 1 235.0 against 231.9 (same file
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -109,17 +111,17 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
     return t.stride(dim) if t is not None else 0
 
 
-def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig, halves: bool = False) -> TensorDescriptor | None:
+def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig, halves: int = 0) -> TensorDescriptor | None:
     """TMA descriptor of w [E, out, in] with block [1, rows, block_k] when cfg asks for it and the device
     (sm_90+) and layout (``_launch.tma_layout_ok``, rows within 256) allow it; None selects the pointer loads.
-    ``halves``: w [E, 2N, in] viewed as [E, 2, N, in], block [1, 2, rows, block_k]: gate rows n.. stacked
-    on up rows N + n.. in one load."""
+    ``halves`` (1 or 2): w [E, 2N, in] viewed as [E, 2, N, in], block [1, halves, rows, block_k]: with 2 the
+    gate rows n.. stacked on the up rows N + n.. in one load, with 1 either of them."""
     if not (cfg.tma_weights and tma_capable(w.device) and tma_layout_ok(w, cfg.block_k)) or rows > 256:
         return None
     if halves:
         E, two_n, K = w.shape
         return TensorDescriptor(w, [E, 2, two_n // 2, K], [w.stride(0), two_n // 2 * w.stride(1), w.stride(1),
-                                                          w.stride(2)], [1, 2, rows, cfg.block_k])
+                                                          w.stride(2)], [1, halves, rows, cfg.block_k])
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, rows, cfg.block_k])
 
 
@@ -188,13 +190,21 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
+    fp8 = w1.fmt == WFMT_FP8_BLOCK
+    if fp8 and act == kern.ACT_NONE:
+        # fp8 block: the tile without an activation holds the same 2 x block_n weight rows (two 128-row parts)
+        # as the gated one.
+        cfg = dataclasses.replace(cfg, block_n=2 * cfg.block_n)
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
+    halves = act not in (kern.ACT_NONE, kern.ACT_SWIGLUOAI)
     if not w1.element_tiles:
         w_desc = None
+    elif fp8:  # loads of 128-row parts (_gemm1_block)
+        w_desc = _weight_desc(w1.w, 128, cfg, halves=int(halves))
     elif act == kern.ACT_SWIGLUOAI:
         w_desc = _weight_desc(w1.w, 2 * cfg.block_n, cfg)
     else:
-        w_desc = _weight_desc(w1.w, cfg.block_n, cfg, halves=act != kern.ACT_NONE)
+        w_desc = _weight_desc(w1.w, cfg.block_n, cfg, halves=2 * int(halves))
     a_desc, a_tail_desc, rows, rows_scale = (
         _gathered_rows_descs(x, routing, topk, cfg, pdl, quantize=w1.fmt == WFMT_FP8_BLOCK and weights is None,
                              ue8m0=w1.ue8m0)
@@ -215,7 +225,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         G_ON_A=weights is not None and not w1.dense,
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
-        Q_OUT=out_scale is not None, A_Q=x_scale is not None,
+        Q_OUT=out_scale is not None, A_Q=x_scale is not None, ROW_SCALES=fp8 and halves and two_n // 2 % 128 != 0,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     return rows, rows_scale
