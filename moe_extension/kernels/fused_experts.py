@@ -194,6 +194,9 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     if fp8 and act == kern.ACT_NONE:
         # fp8 block: the tile without an activation holds the same 2 x block_n weight rows (two 128-row parts)
         # as the gated one.
+        # NOTE: expert_gemm1 on the DeepSeek-V3 layer (E 256, topk 8, K 7168, N 2048) at M = 8192, H100, the
+        # table's config (block_m 128, 8 warps, 3 stages): 6727.5 us (572 TFLOP/s) with 128 weight rows per tile
+        # (expert_gemm1_triton with config= gemm1 block_n 64) against 5965.4 us (645 TFLOP/s) with 2 x 128.
         cfg = dataclasses.replace(cfg, block_n=2 * cfg.block_n)
     grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
     halves = act not in (kern.ACT_NONE, kern.ACT_SWIGLUOAI)
