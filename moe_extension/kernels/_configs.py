@@ -46,10 +46,11 @@ SMEM_BUDGET = 200 * 1024
 PERSISTENT_SMEM_BUDGET = 216 * 1024
 # NOTE: fp8 block adds each 128-column block's product to the accumulator after scaling it, so a tile holds two
 # fp32 [block_m, weight rows] tiles in registers, and a weight scale per column unless its rows share a scale
-# block (``fp8_part_scales``). Triton 3.6 for sm_90 (ptxas -v of gemm1_sorted_kernel, E4M3 wgmma, silu, 8 warps,
-# 3 stages): 64 x (2 x 128) 220 registers with one scale per 128-row part (255 with one per row); 128 x (2 x 128)
-# 255 registers, its 136 B of spills outside the k loop; with scales per row (the up rows when N is not a multiple
-# of 128) 1180 B of spills. So 128-row blocks only where N is a multiple of 128.
+# block (``fp8_part_scales``). Triton 3.6 for sm_90 (gemm1_sorted_kernel compiled with triton.compile for
+# GPUTarget("cuda", 90, 32), then ptxas -v; E4M3 wgmma, silu, 8 warps, 3 stages): 64 x (2 x 128) 220 registers
+# with one scale per 128-row part (255 with one per row); 128 x (2 x 128) 255 registers, its 136 B of spills
+# outside the k loop; with scales per row (the up rows when N is not a multiple of 128) 1180 B of spills. So
+# 128-row blocks only where N is a multiple of 128.
 FP8_MAX_BLOCK_M = 128
 
 
@@ -261,6 +262,9 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # NOTE: TMA loads of gemm2's quantized intermediate at block_m 64: 12069 -> 11785 us at M = 8192 and
         # 6700 -> 6563 at M = 4096 (block_m 32 at M = 1024: 4336 -> 4340). gemm1's sorted quantized copy for TMA
         # (tma_a) was slower: 12069 -> 12497 at M = 8192, 4336 -> 4418 at M = 1024 (same layer and command).
+        # NOTE: blocks of 128 rows take 8 warps in both GEMMs: the tuner's pick for the DeepSeek-V3 layer at M = 8192
+        # on the H100 (``python benchmarks/tune_fused_experts.py --quant fp8_block --tokens 8192``: 9860 us, gemm1
+        # 8 warps 3 stages, gemm2 128 x 128 on 8 warps 4 stages).
         g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=8 if block_m == 128 else 4, num_stages=4,
                                  tma_weights=True, tma_a=block_m >= 64)
     if quant == "mxfp4_mma":

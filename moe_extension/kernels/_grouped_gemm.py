@@ -254,7 +254,8 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     # fp8_part_scales; ROW_SCALES: the up part of the halves activations starts inside a scale block when N is
     # not a multiple of 128, and takes a scale per row).
     PARTS: tl.constexpr = W_ROWS // 128 if WFMT == 2 else 1
-    tl.static_assert(PARTS <= 2, "fp8 block gemm1 tiles hold at most 256 weight rows")
+    tl.static_assert(WFMT != 2 or (W_ROWS == 128 * PARTS and PARTS <= 2 and (PARTS == 2 or ACT == 0)),
+                     "fp8 block gemm1 tiles: 128 output columns with an activation, 128 or 256 without")
     wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N)
     e64 = expert.to(tl.int64)
     if PARTS == 2:
