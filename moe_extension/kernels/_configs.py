@@ -475,9 +475,9 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
 def fp8_tiles(g: GemmConfig, block_m: int, col_mult: int, a_esize: int, sorted_path: bool) -> GemmConfig:
     """An fp8 block tile: sorted (tensor-core steps), block_k = 128 (one scale block per step) and block_n a
     multiple of 128 (gemm1's epilogue quantizes whole 128-column groups; gemm1, ``col_mult`` 2: 128, its tiles
-    hold at most two 128-row parts); GEMV, block_k a multiple of 128. Stages
-    shrink until the activation tiles (``a_esize`` bytes, the worst case: they may be quantized already) and
-    the 1-byte weight tiles fit SMEM_BUDGET; then GEMV tiles narrow block_n."""
+    hold at most two 128-row parts); GEMV, block_k a multiple of 128. Stages shrink until the activation tiles
+    (``a_esize`` bytes, the worst case: they may be quantized already) and the 1-byte weight tiles fit
+    SMEM_BUDGET; then GEMV tiles narrow block_n."""
     bk = 128 if sorted_path else max(128, g.block_k)
     bn = (128 if col_mult == 2 else max(128, g.block_n)) if sorted_path else g.block_n
     stages = g.num_stages

@@ -265,9 +265,12 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr.to(tl.int64) * stride_wn,
                                  scale_rows(e64, wr.to(tl.int64), stride_se, stride_sn, WFMT), 0, stride_wk, stride_sk,
                                  BLOCK_K, WFMT, True)
-    w_ptrs_b, s_ptrs_b = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr_b.to(tl.int64) * stride_wn,
-                                     scale_rows(e64, wr_b.to(tl.int64), stride_se, stride_sn, WFMT), 0, stride_wk,
-                                     stride_sk, BLOCK_K, WFMT, True)
+    if PARTS == 2:
+        w_ptrs_b, s_ptrs_b = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr_b.to(tl.int64) * stride_wn,
+                                         scale_rows(e64, wr_b.to(tl.int64), stride_se, stride_sn, WFMT), 0, stride_wk,
+                                         stride_sk, BLOCK_K, WFMT, True)
+    else:
+        w_ptrs_b, s_ptrs_b = w_ptrs, s_ptrs
     if WFMT == 2:
         # The parts' first rows: multiples of 128 (ACT 0 / 4: n0 and 2 n0 are; wrapped parts feed no stored column).
         if ACT == 0:
@@ -286,7 +289,10 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
         # Scales per token, or per sorted row when the rows come in sorted order (A_DESC)
         xs_ptrs = xs_ptr + (rows if A_DESC else token).to(tl.int64) * stride_xsm
     acc = tl.zeros([BM, W_ROWS // PARTS], dtype=tl.float32)
-    acc_b = tl.zeros([BM, W_ROWS // PARTS], dtype=tl.float32)  # PARTS = 2 only
+    if PARTS == 2:
+        acc_b = tl.zeros([BM, W_ROWS // PARTS], dtype=tl.float32)
+    else:
+        acc_b = acc  # unused
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         if not EVEN_K:
             k_ok = offs_k < K - kk * BLOCK_K
