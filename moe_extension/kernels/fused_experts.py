@@ -45,8 +45,6 @@ M = 1 took 72.7 us against 71.2 and mixtral M = 1 235.0 against 231.9 (same file
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -191,14 +189,15 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     E, two_n, K = w1.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     fp8 = w1.fmt == WFMT_FP8_BLOCK
+    block_n = cfg.block_n
     if fp8 and act == kern.ACT_NONE:
         # fp8 block: the tile without an activation holds the same 2 x block_n weight rows (two 128-row parts)
         # as the gated one.
         # NOTE: expert_gemm1 on the DeepSeek-V3 layer (E 256, topk 8, K 7168, N 2048) at M = 8192, H100, the
         # table's config (block_m 128, 8 warps, 3 stages): 6727.5 us (572 TFLOP/s) with 128 weight rows per tile
         # (expert_gemm1_triton with config= gemm1 block_n 64) against 5965.4 us (645 TFLOP/s) with 2 x 128.
-        cfg = dataclasses.replace(cfg, block_n=2 * cfg.block_n)
-    grid = (routing.max_blocks * triton.cdiv(n_out, cfg.block_n),)
+        block_n = 2 * cfg.block_n
+    grid = (routing.max_blocks * triton.cdiv(n_out, block_n),)
     halves = act not in (kern.ACT_NONE, kern.ACT_SWIGLUOAI)
     if not w1.element_tiles:
         w_desc = None
@@ -226,7 +225,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         float(limit), ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
         DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
         G_ON_A=weights is not None and not w1.dense,
-        BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
         Q_OUT=out_scale is not None, A_Q=x_scale is not None, ROW_SCALES=fp8 and halves and two_n // 2 % 128 != 0,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
