@@ -42,7 +42,8 @@ default model deepseek-v3). The search takes fp8's own tiles (block_k 128, 128-c
 rows per block: ``sanitize``'s rules), each with and without TMA weight tiles and TMA rows (gemm1: its token rows
 gathered and quantized into sorted order; gemm2: its quantized intermediate). gemm1 is timed as the fused path
 runs it (x quantized up front unless the rows are gathered, output stored quantized) and gemm2 on quantized
-rows; the entries go under ``,quant=fp8_block``.
+rows; at tiny M the direct schedule's tensor-core GEMVs too (splits and tile heights around ``dot_gemv_direct``,
+gemv2 on the fp32 intermediate); the entries go under ``,quant=fp8_block``.
 """
 
 from __future__ import annotations
@@ -315,15 +316,21 @@ def tile_name(g) -> str:
 
 
 def direct_candidates(heuristic, quant: str = "none"):
-    """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps. MXFP4 in
-    the MMA layout (tensor-core GEMVs, 128-column steps): the split of each reduction halved and doubled, one more
-    stage, and twice the weight rows on 8 warps."""
-    if quant == "mxfp4_mma":
+    """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps. The
+    tensor-core GEMVs (MXFP4 in the MMA layout, fp8 block; 128-column steps): the split of each reduction halved and
+    doubled, one more stage, and twice the weight rows on 8 warps (fp8 block's gemm1: its 128 columns, 256 rows,
+    on 8 warps); fp8 block's gemm2 also half the weight rows with twice the splits (its rows are 128 bytes per
+    step)."""
+    if quant in ("mxfp4_mma", "fp8_block"):
         out = []
-        for g in (heuristic.gemm1, heuristic.gemm2):
-            out.append([g, dataclasses.replace(g, split_k=max(1, g.split_k // 2)),
-                        dataclasses.replace(g, split_k=2 * g.split_k), dataclasses.replace(g, num_stages=4),
-                        dataclasses.replace(g, block_n=2 * g.block_n, num_warps=8)])
+        for which, g in enumerate((heuristic.gemm1, heuristic.gemm2)):
+            wide = g.block_n if quant == "fp8_block" and which == 0 else 2 * g.block_n
+            cands = [g, dataclasses.replace(g, split_k=max(1, g.split_k // 2)),
+                     dataclasses.replace(g, split_k=2 * g.split_k), dataclasses.replace(g, num_stages=4),
+                     dataclasses.replace(g, block_n=wide, num_warps=8)]
+            if quant == "fp8_block" and which == 1:
+                cands.append(dataclasses.replace(g, block_n=g.block_n // 2, split_k=2 * g.split_k))
+            out.append(list(dict.fromkeys(cands)))  # an unsplit reduction has no half split
         return out
     out = []
     for g in (heuristic.gemm1, heuristic.gemm2):
@@ -538,6 +545,12 @@ def tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     a_ws = [torch.randn(M, topk, N, dtype=dtype, device=device) for _ in range(n)]
+    a_scales = [None] * n
+    if quant == "fp8_block":  # the intermediate as the fused path holds it: e4m3 rows and their scales
+        from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
+
+        quantized = [quantize_fp8_rows(a.view(M * topk, N)) for a in a_ws]
+        a_ws, a_scales = [q.view(M, topk, N) for q, _ in quantized], [s for _, s in quantized]
     outs = [torch.empty(M, K, dtype=dtype, device=device) for _ in range(n)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 132
     g1c, g2c = direct_candidates(heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant), quant)
@@ -545,14 +558,14 @@ def tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     for g1 in g1c:
         g1 = sanitize(MoeConfig("direct", 0, g1, g1), dtype, N, K, topk, quant).gemm1
         t = time_us(lambda i: fe._gemv1(sets[i % n][0], w1, None, a_ws[i % n].view(M * topk, N), sets[i % n][2],
-                                        None, act, None, 1.702, 7.0, g1), n)
+                                        None, act, None, 1.702, 7.0, g1, out_scale=a_scales[i % n]), n)
         print(f"    direct gemv1 {g1.block_n:3d}x{g1.block_k:3d} w{g1.num_warps} s{g1.num_stages} split{g1.split_k}: "
               f"{t:9.1f} us")
         best1 = min(best1, (t, g1), key=lambda x: x[0])
     for g2 in g2c:
         g2 = sanitize(MoeConfig("direct", 0, g2, g2), dtype, N, K, topk, quant).gemm2
         t = time_us(lambda i: fe._gemv2(a_ws[i % n], w2, None, outs[i % n], sets[i % n][2], None, sets[i % n][1],
-                                        True, g2), n)
+                                        True, g2, a_scale=a_scales[i % n]), n)
         print(f"    direct gemv2 {g2.block_n:3d}x{g2.block_k:3d} w{g2.num_warps} s{g2.num_stages} split{g2.split_k}: "
               f"{t:9.1f} us")
         best2 = min(best2, (t, g2), key=lambda x: x[0])
@@ -571,8 +584,7 @@ def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     finalists = []
-    # fp8 block: the sorted schedule only (its GEMVs lose at decode too: the NOTE in heuristic_config)
-    if quant != "fp8_block" and (use_direct(M, E, topk) or M <= 4):
+    if use_direct(M, E, topk) or M <= 4:
         d = tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row)
         if d:
             finalists.append(d[1])

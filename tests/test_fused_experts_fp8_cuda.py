@@ -25,6 +25,8 @@ import random
 import pytest
 import torch
 
+from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, sanitize
 from moe_extension.ops import fused_experts_torch, topk_softmax
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
 from moe_extension.quant import ue8m0_scales
@@ -196,6 +198,48 @@ def test_unfused_matches_torch_and_fused(M, topk, E, K, N, act, on_input, emap):
     assert err <= UNFUSED_TOL, f"fused against unfused: rel_err {err:.3e} > {UNFUSED_TOL}"
     invalid = _local(ids, expert_map, E) < 0
     assert invalid.any() and (h[invalid] == 0).all() and (y[invalid] == 0).all(), "invalid slots: rows of 0"
+
+
+# ------------------------------------------------------------------------------------------------- direct tiles
+
+
+def _direct_tiles() -> list:
+    """The direct schedule's tensor-core GEMV tiles that ``fp8_gemv_tiles`` admits and the tuner may pick: gemm1
+    128 output columns (256 weight rows with gate and up) on 4 and on 8 warps, gemm2 64, 128 and 256 weight rows,
+    reductions whole and split (a split of whole 128-column steps; the last one partial where K or N is not a
+    multiple of 128)."""
+    g1s = [GemmConfig(128, 128, 4, 4, group_m=0, split_k=1), GemmConfig(128, 128, 4, 3, group_m=0, split_k=2),
+           GemmConfig(128, 128, 4, 4, group_m=0, split_k=4), GemmConfig(128, 128, 8, 3, group_m=0, split_k=2)]
+    g2s = [GemmConfig(64, 128, 4, 4, group_m=0, split_k=2), GemmConfig(128, 128, 4, 3, group_m=0, split_k=1),
+           GemmConfig(256, 128, 8, 4, group_m=0, split_k=2), GemmConfig(128, 128, 4, 4, group_m=0, split_k=3)]
+    return [MoeConfig("direct", 0, g1, g2) for g1, g2 in zip(g1s, g2s)]
+
+
+@cuda
+@pytest.mark.parametrize("cfg", _direct_tiles(), ids=lambda c: f"g1_{c.gemm1.block_n}w{c.gemm1.num_warps}s"
+                         f"{c.gemm1.split_k}-g2_{c.gemm2.block_n}w{c.gemm2.num_warps}s{c.gemm2.split_k}")
+@pytest.mark.parametrize("K,N,act", [(1000, 333, "swigluoai"), (2048, 1408, "silu")])
+def test_direct_tiles(cfg, K, N, act):
+    """Each direct GEMV tile, fused (with an expert_map, invalid slots and biases) and unfused, against the PyTorch
+    implementation."""
+    E, topk, M = 8, 4, 3
+    assert sanitize(cfg, torch.bfloat16, N, K, topk, quant="fp8_block") == cfg
+    gen = torch.Generator(device="cuda").manual_seed(cfg.gemm1.block_n + K)
+    w1, s1, w2, s2, b1, b2 = _experts(E, K, N, gen, bias=True)
+    g, ids = _routing(M, E + 3, topk, True, gen)
+    emap = random_expert_map(E + 3, E, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, quant="fp8_block", w1_scale=s1, w2_scale=s2)
+    out = fused_experts_triton(x, w1, w2, g, ids, act, config=cfg, **kw)
+    ref = fused_experts_torch(x.float(), w1, w2, g, ids, act, **kw)
+    assert out.isfinite().all() and rel_err(out, ref) <= TOL
+    h = expert_gemm1_triton(x, w1, ids, w1_bias=b1, expert_map=emap, quant="fp8_block", w1_scale=s1, config=cfg)
+    h_ref = expert_gemm1_torch(x, w1, ids, w1_bias=b1, expert_map=emap, quant="fp8_block", w1_scale=s1)
+    assert rel_err(h, h_ref) <= TOL
+    a = torch.randn(M, topk, N, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = expert_gemm2_triton(a, w2, ids, topk_weights=g, expert_map=emap, quant="fp8_block", w2_scale=s2, config=cfg)
+    y_ref = expert_gemm2_torch(a, w2, ids, topk_weights=g, expert_map=emap, quant="fp8_block", w2_scale=s2)
+    assert rel_err(y, y_ref) <= TOL
 
 
 # ------------------------------------------------------------------------------------------------- UE8M0

@@ -149,9 +149,14 @@ SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(128, 128, 4, 2, group_m=0),
                          GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
 # 128-row blocks (N a multiple of 128: one weight scale per 128-row part of a tile), 64-row tail tiles.
 SORTED_128 = MoeConfig("sorted", 128, GemmConfig(128, 128, 8, 2, tail_m=64), GemmConfig(128, 128, 8, 2))
-DIRECT = MoeConfig("direct", 0, GemmConfig(32, 128, 4, 2), GemmConfig(16, 256, 4, 2))
+# The direct tensor-core GEMVs (``_gemv_dot``): gemm1 tiles of 128 output columns (its epilogue quantizes them for
+# gemm2), 64-row gemm2 tiles, whole reductions; and both reductions split in two (partials summed by the program
+# that counts last).
+DIRECT = MoeConfig("direct", 0, GemmConfig(128, 128, 4, 2, group_m=0), GemmConfig(64, 128, 4, 2, group_m=0))
+DIRECT_SPLIT = MoeConfig("direct", 0, GemmConfig(128, 128, 4, 2, group_m=0, split_k=2),
+                         GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
 CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "sorted_128": SORTED_128,
-           "direct": DIRECT}
+           "direct": DIRECT, "direct_split": DIRECT_SPLIT}
 
 
 def checked_config(name, dtype, N, K, topk) -> MoeConfig:
@@ -177,8 +182,8 @@ FUSED_CASES = [
     ("direct", "silu", torch.float16, 1, 3, 8, 200, 160, dict(bias=True, emap=True)),
     ("direct", "swigluoai", torch.float32, 3, 4, 9, 256, 96, dict(bias=True, transposed=True, on_input=True)),
     ("direct", "gelu", torch.float16, 4, 2, 6, 300, 130, dict(bias=True)),
-    ("direct", "gelu_tanh", torch.float32, 1, 6, 8, 128, 200, dict(emap=True, transposed=True)),
-    ("direct", "swiglustep", torch.float16, 4, 1, 8, 140, 128, dict(bias=True, on_input=True)),
+    ("direct_split", "gelu_tanh", torch.float32, 1, 6, 8, 300, 200, dict(emap=True, transposed=True)),
+    ("direct_split", "swiglustep", torch.float16, 4, 1, 8, 140, 256, dict(bias=True, on_input=True)),
 ]
 
 
@@ -242,9 +247,9 @@ def test_fused_experts_ue8m0_matches_torch(case):
 
 
 @interpreted
-@pytest.mark.parametrize("name", ["sorted_split", "direct"])
+@pytest.mark.parametrize("name", ["sorted_split", "direct_split"])
 def test_fused_experts_deterministic(name):
-    E, K, N, M, topk = 6, 200, 160, 12 if name != "direct" else 2, 3
+    E, K, N, M, topk = 6, 300, 260, 12 if name == "sorted_split" else 2, 3
     w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=5)
     g, ids, _ = routing(M, topk, E, seed=3)
     x = torch.randn(M, K)
@@ -261,14 +266,14 @@ def test_fused_experts_deterministic(name):
     ("direct", False, torch.float16, True, False),
     ("direct", True, torch.float32, False, False),
     ("sorted", True, torch.float32, False, True),
-    ("direct", False, torch.float32, True, True),
+    ("direct_split", False, torch.float32, True, True),
 ])
 def test_expert_gemms_match_torch(name, on_input, dtype, transposed, ue8m0):
     """The unfused GEMMs (gemm1 without activation: 2N output columns; gemm2 reads [M, topk, N] in slot order
     and quantizes it as it loads it) against the PyTorch GEMMs on the same quantized weights (``ue8m0``: byte
     scales, power-of-two activation scales)."""
     E, K, N, topk = 5, 200, 160, 3
-    M = 1 if name == "direct" else 20
+    M = 1 if name.startswith("direct") else 20
     cfg = checked_config(name, dtype, N, K, topk)
     w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, transposed=transposed, seed=7, ue8m0=ue8m0)
     g, ids, emap = routing(M, topk, E, emap=True, seed=11)
@@ -306,8 +311,9 @@ def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
         if cfg.path == "sorted":
             assert g.block_k == 128 and g.block_n % 128 == 0
             assert g.num_stages * (cfg.block_m * a_esize + mult * g.block_n) * g.block_k <= configs.SMEM_BUDGET
-        else:
-            assert g.block_k % 128 == 0
+        else:  # the tensor-core GEMVs: 64 to 256 weight rows (a warpgroup's MMA takes 64)
+            assert g.block_k == 128 and 64 <= mult * g.block_n <= 256
+    assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
     assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg
 
 
@@ -323,7 +329,9 @@ def test_sanitize_fp8_fixes_tiles():
     assert cfg.gemm2.split_k <= math.ceil(333 / 128)
     direct = configs.sanitize(dataclasses.replace(bad, path="direct", block_m=0), torch.bfloat16, 333, 1000, 8,
                               quant="fp8_block")
-    assert direct.gemm1.block_k % 128 == 0 and direct.gemm2.block_k % 128 == 0
+    assert (direct.gemm1.block_k, direct.gemm2.block_k) == (128, 128)
+    assert (direct.gemm1.block_n, direct.gemm2.block_n) == (128, 64)  # 256 and 64 weight rows
+    assert direct.gemm2.num_warps == 4 and not direct.gemm2.persistent
 
 
 @interpreted

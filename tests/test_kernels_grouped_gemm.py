@@ -502,6 +502,9 @@ def test_local_tokens_of_an_expert_parallel_shard(monkeypatch):
     assert fe.local_tokens(4096, 32, None) == 4096 and fe.local_tokens(4096, 32, torch.arange(32)) == 4096
     assert fe.local_tokens(4096, 32, shard) == 512 and fe.local_tokens(100, 32, shard) == 12
     assert fe.local_tokens(1, 32, shard) == 2 and fe.local_tokens(8, 32, shard) == 2
+    # fp8 block: floor 1, the direct schedule (its tensor-core GEMVs) for shards of few local tokens
+    assert fe.local_tokens(1, 32, shard, "fp8_block") == 1 and fe.local_tokens(8, 32, shard, "fp8_block") == 1
+    assert fe.local_tokens(4096, 32, shard, "fp8_block") == 512
     assert fe.local_tokens(1, 32, None) == 1
     asked = []
     monkeypatch.setattr(fe, "get_config", lambda M, *args: asked.append(M) or configs.get_config(M, *args))

@@ -275,38 +275,50 @@ def test_run_writes_the_key_of_the_format(fake_gpu, monkeypatch, tmp_path, capsy
     ("mxfp4", ([GemmConfig(64, 32, 4, 4)], [GemmConfig(8, 64, 4, 4)]), 64, 64),
     ("mxfp4_mma", ([GemmConfig(64, 128, 4, 2, group_m=0, split_k=2)],
                    [GemmConfig(128, 128, 4, 2, group_m=0, split_k=2)]), 256, 256),
+    ("fp8_block", ([GemmConfig(128, 128, 4, 2, group_m=0, split_k=2)],
+                   [GemmConfig(64, 128, 4, 2, group_m=0, split_k=2)]), 256, 256),
 ])
-def test_mxfp4_direct_path(fake_gpu, monkeypatch, quant, tiles, K, N):
-    """The GEMVs of the direct path on MXFP4 operands (one wide tile each, sanitized for the format; the MMA layout's
-    tensor-core GEMVs with split reductions), tuned and checked."""
+def test_quantized_direct_path(fake_gpu, monkeypatch, quant, tiles, K, N):
+    """The GEMVs of the direct path on quantized operands (one wide tile each, sanitized for the format; the
+    tensor-core GEMVs of the MMA layout and of fp8 block with split reductions), tuned and checked."""
     monkeypatch.setattr(tune, "direct_candidates", lambda heur, quant: tiles)
     E, topk, M = 4, 2, 1
+    # fp16 for fp8 block: the interpreter's bf16 dot is wrong (MXFP4 multiplies in fp32 there)
+    dtype = torch.float16 if quant == "fp8_block" else torch.bfloat16
     torch.manual_seed(0)
-    w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear", quant)
-    sets = tune.make_sets(E, topk, K, M, torch.bfloat16, 2)
+    if quant == "fp8_block":
+        w1, w2 = tune.make_fp8_weights(E, K, N, "linear")
+    else:
+        w1, w2 = tune.make_mxfp4_weights(E, K, N, "linear", quant)
+    sets = tune.make_sets(E, topk, K, M, dtype, 2)
     t, cfg = tune.tune_direct(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
     assert t == 20.0 and cfg.path == "direct" and len(fake_gpu) == 2
-    assert sanitize(cfg, torch.bfloat16, N, K, topk, quant) == cfg
+    assert sanitize(cfg, dtype, N, K, topk, quant) == cfg
     x, g, ids = sets[0]
     d1, d2, kw = tune.fused_call_args(w1, w2)
     out = fused_experts_triton(x, d1, d2, g, ids, tune.ACTIVATION, config=cfg, **kw)
     ref = fused_experts_torch(x, d1, d2, g, ids, tune.ACTIVATION, **kw).cpu()
-    assert_close(out, ref, tolerance(torch.bfloat16, DEVICE))
+    assert_close(out, ref, tolerance(dtype, DEVICE))
 
 
-def test_mxfp4_mma_direct_candidates():
-    """The MMA layout's direct candidates: the heuristic's GEMVs first, split reductions halved and doubled, one more
-    stage, 256 rows on 8 warps; each as sanitize leaves it (the tiles the GPU suite checks)."""
+@pytest.mark.parametrize("quant, E, K, N, topk", [("mxfp4_mma", 128, 2880, 2880, 4), ("fp8_block", 256, 7168, 2048, 8)])
+def test_tensor_core_direct_candidates(quant, E, K, N, topk):
+    """The tensor-core GEMVs' direct candidates: the heuristic's GEMVs first, split reductions halved and doubled, one
+    more stage, twice the rows on 8 warps (fp8 block: gemm1's 256 rows on 8 warps, gemm2 also half the rows, twice
+    the splits); each as sanitize leaves it (the tiles the GPU suites check)."""
     from moe_extension.kernels._configs import heuristic_config
 
-    heur = heuristic_config(1, 128, 2880, 2880, 4, torch.bfloat16, True, True, 132, "mxfp4_mma")
-    g1s, g2s = tune.direct_candidates(heur, "mxfp4_mma")
+    heur = heuristic_config(1, E, N, K, topk, torch.bfloat16, True, True, 132, quant)
+    assert heur.path == "direct"
+    g1s, g2s = tune.direct_candidates(heur, quant)
     for gs, first, which in ((g1s, heur.gemm1, "gemm1"), (g2s, heur.gemm2, "gemm2")):
         assert gs[0] == first and len(set(gs)) == len(gs)
-        assert {g.split_k for g in gs} >= {first.split_k // 2, first.split_k, 2 * first.split_k}
-        assert any(g.num_warps == 8 and g.block_n == 2 * first.block_n for g in gs)
+        assert {g.split_k for g in gs} >= {max(1, first.split_k // 2), first.split_k, 2 * first.split_k}
+        fixed_columns = quant == "fp8_block" and which == "gemm1"  # 128, so that its epilogue quantizes groups
+        assert any(g.num_warps == 8 and g.block_n == (1 if fixed_columns else 2) * first.block_n for g in gs)
+        assert any(g.block_n == first.block_n // 2 for g in gs) == (quant == "fp8_block" and which == "gemm2")
         for g in gs:
-            cfg = sanitize(MoeConfig("direct", 0, g, g), torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
+            cfg = sanitize(MoeConfig("direct", 0, g, g), torch.bfloat16, N, K, topk, quant)
             assert getattr(cfg, which) == g
 
 

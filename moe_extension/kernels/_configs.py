@@ -189,12 +189,9 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
                      num_sms: int = 132, quant: str = "none") -> MoeConfig:
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
-    # NOTE: fp8 block always takes the sorted schedule (16-row tensor-core tiles): its GEMVs dequantize every
-    # weight in fp32. DeepSeek-V3 layer on the H100, M = 1: direct 180.8 us, sorted 150.2; M = 4: 656.6 against
-    # 499.3; its 32-expert shard at M = 1: 204.9 against 62.2 (bench_fused_experts_fp8.py --tokens 1 4).
-    if quant == "mxfp4_mma" and use_direct(M, E, topk):
-        return mxfp4_mma_direct(P, N, K, num_sms)
-    if use_direct(M, E, topk) and quant not in ("fp8_block", "mxfp4_mma"):
+    if quant in DOT_GEMV_QUANTS and use_direct(M, E, topk):
+        return dot_gemv_direct(P, N, K, num_sms, quant)
+    if use_direct(M, E, topk) and quant not in DOT_GEMV_QUANTS:
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
         return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
@@ -325,7 +322,7 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     ``blocks``: the expected row blocks of the sorted schedule.
     NOTE: 128 weight rows on 4 warps per tile in both GEMMs (the fused gemm1's 64 columns of gate and up;
     gemm2's 128 output columns): the tuner's best at every M of gpt-oss-120b and -20b on the H100 that runs this
-    schedule (M = 1 runs the direct one, ``mxfp4_mma_direct``). The 256-row tiles on 8 warps this
+    schedule (M = 1 runs the direct one, ``dot_gemv_direct``). The 256-row tiles on 8 warps this
     rule replaced were 10-29% slower end to end (120b: M 16 308 against 269 us; ``python
     benchmarks/tune_fused_experts.py --quant mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with
     tail tiles (gemm1 32, gemm2 16 rows) and pointer loads of gemm2's rows: the tuner's choice at 128 and 512
@@ -345,10 +342,15 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     return g1, g2
 
 
-def mxfp4_mma_direct(P: int, N: int, K: int, num_sms: int) -> MoeConfig:
-    """The direct schedule of MXFP4 in the MMA layout (``_gemv_dot``: no routing, per-pair tensor-core GEMVs): 128
-    weight rows on 4 warps per tile (gemm1: 64 columns of gate and up), each reduction split until there are two
-    programs per SM.
+# Weight formats whose direct schedule runs the tensor-core GEMVs of ``_gemv_dot`` (``WeightOperand.dot_gemvs``).
+DOT_GEMV_QUANTS = ("mxfp4_mma", "fp8_block")
+
+
+def dot_gemv_direct(P: int, N: int, K: int, num_sms: int, quant: str = "mxfp4_mma") -> MoeConfig:
+    """The direct schedule of the formats of DOT_GEMV_QUANTS (``_gemv_dot``: no routing, per-pair tensor-core GEMVs):
+    128 weight rows on 4 warps per tile (gemm1: 64 columns of gate and up), 128-column steps, each reduction split
+    until there are two programs per SM. fp8 block: gemm1 128 columns (256 rows, see ``fp8_gemv_tiles``), gemm2 64
+    rows in 4 stages.
     NOTE: H100, gpt-oss-120b M = 1, the tuner's direct candidates (``python benchmarks/tune_fused_experts.py --quant
     mxfp4_mma --tokens 1``): gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1); gemv2
     split 4 15.5 us (split 2 16.7, split 8 18.7, 256 rows on 8 warps 19.4); end to end 36.8 us against 48.9 for the
@@ -360,10 +362,12 @@ def mxfp4_mma_direct(P: int, N: int, K: int, num_sms: int) -> MoeConfig:
             s *= 2
         return s
 
-    g1 = GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, group_m=0,
-                    split_k=split(P * math.ceil(N / 64), K))
-    g2 = GemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=3, group_m=0,
-                    split_k=split(P * math.ceil(K / 128), N))
+    bn1 = 128 if quant == "fp8_block" else 64
+    g1 = GemmConfig(block_n=bn1, block_k=128, num_warps=4, num_stages=3, group_m=0,
+                    split_k=split(P * math.ceil(N / bn1), K))
+    bn2 = 64 if quant == "fp8_block" else 128
+    g2 = GemmConfig(block_n=bn2, block_k=128, num_warps=4, num_stages=4 if quant == "fp8_block" else 3, group_m=0,
+                    split_k=split(P * math.ceil(K / bn2), N))
     return MoeConfig("direct", 0, g1, g2)
 
 
@@ -419,8 +423,8 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots).
     MXFP4 weights: block_k of at least one scale group (32) and tiles of at least 4 packed bytes per thread
     (``mxfp4_tiles``), pointer loads of the weights and no persistent gemm2 (both need 16-bit weights).
-    fp8 block: ``fp8_tiles`` (whole 128-column scale blocks), block_m up to ``fp8_max_block_m``, no persistent
-    gemm2."""
+    fp8 block: ``fp8_tiles`` (sorted) and ``fp8_gemv_tiles`` (direct), whole 128-column scale blocks per step,
+    block_m up to ``fp8_max_block_m``, no persistent gemm2."""
     esize = torch.empty((), dtype=dtype).element_size()
     g1, g2 = cfg.gemm1, cfg.gemm2
     if quant == "mxfp4":
@@ -451,14 +455,18 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
         if quant == "mxfp4_mma":
             g1, g2 = mxfp4_mma_tiles(g1, 2, bm, a_esize), mxfp4_mma_tiles(g2, 1, bm, a_esize)
         if quant == "fp8_block":
-            g1, g2 = fp8_tiles(g1, bm, 2, a_esize, True), fp8_tiles(g2, bm, 1, a_esize, True)
+            g1, g2 = fp8_tiles(g1, bm, 2, a_esize), fp8_tiles(g2, bm, 1, a_esize)
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / 128))))
         return MoeConfig("sorted", bm, g1, g2)
-    if quant == "mxfp4_mma":
-        # The direct tensor-core GEMVs (``_gemv_dot``): the sorted tiles' rule with 16 A rows, splits of whole steps.
-        g1, g2 = (mxfp4_mma_tiles(dataclasses.replace(g, block_n=min(cap, triton_next_pow2(g.block_n)), tail_m=0,
-                                                      tma_a=False), mult, 16, a_esize)
-                  for g, mult, cap in ((g1, 2, 128), (g2, 1, 256)))
+    if quant in DOT_GEMV_QUANTS:
+        # The direct tensor-core GEMVs (``_gemv_dot``): 16 A rows, splits of whole steps; MXFP4 in the MMA layout the
+        # sorted tiles' rule, fp8 block ``fp8_gemv_tiles``.
+        g1, g2 = (dataclasses.replace(g, block_n=min(cap, triton_next_pow2(g.block_n)), tail_m=0, tma_a=False)
+                  for g, cap in ((g1, 128), (g2, 256)))
+        if quant == "mxfp4_mma":
+            g1, g2 = mxfp4_mma_tiles(g1, 2, 16, a_esize), mxfp4_mma_tiles(g2, 1, 16, a_esize)
+        else:
+            g1, g2 = fp8_gemv_tiles(g1, 2, a_esize), fp8_gemv_tiles(g2, 1, 1)
         g1 = dataclasses.replace(g1, split_k=max(1, min(g1.split_k, math.ceil(K / g1.block_k))))
         g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
         return MoeConfig("direct", 0, g1, g2)
@@ -467,29 +475,41 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
               triton_next_pow2(topk), 1, esize)
     if quant == "mxfp4":
         g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, triton_next_pow2(topk), N)
-    if quant == "fp8_block":
-        g1, g2 = fp8_tiles(g1, 0, 2, a_esize, False), fp8_tiles(g2, 0, triton_next_pow2(topk), a_esize, False)
     return MoeConfig("direct", 0, g1, g2)
 
 
-def fp8_tiles(g: GemmConfig, block_m: int, col_mult: int, a_esize: int, sorted_path: bool) -> GemmConfig:
-    """An fp8 block tile: sorted (tensor-core steps), block_k = 128 (one scale block per step) and block_n a
-    multiple of 128 (gemm1's epilogue quantizes whole 128-column groups; gemm1, ``col_mult`` 2: 128, its tiles
-    hold at most two 128-row parts); GEMV, block_k a multiple of 128. Stages shrink until the activation tiles
-    (``a_esize`` bytes, the worst case: they may be quantized already) and the 1-byte weight tiles fit
-    SMEM_BUDGET; then GEMV tiles narrow block_n."""
-    bk = 128 if sorted_path else max(128, g.block_k)
-    bn = (128 if col_mult == 2 else max(128, g.block_n)) if sorted_path else g.block_n
+def fp8_tiles(g: GemmConfig, block_m: int, col_mult: int, a_esize: int) -> GemmConfig:
+    """An fp8 block tile of the sorted schedule: block_k = 128 (one scale block per step) and block_n a multiple of
+    128 (gemm1's epilogue quantizes whole 128-column groups; gemm1, ``col_mult`` 2: 128, its tiles hold at most two
+    128-row parts). Stages shrink until the activation tiles (``a_esize`` bytes, the worst case: they may be
+    quantized already) and the 1-byte weight tiles fit SMEM_BUDGET."""
+    bn = 128 if col_mult == 2 else max(128, g.block_n)
     stages = g.num_stages
 
     def smem():
-        return stages * (block_m * a_esize + col_mult * bn) * bk
+        return stages * (block_m * a_esize + col_mult * bn) * 128
 
     while smem() > SMEM_BUDGET and stages > 2:
         stages -= 1
-    while smem() > SMEM_BUDGET and bn > (128 if sorted_path else 1):
-        bn //= 2
-    return dataclasses.replace(g, block_n=bn, block_k=bk, num_stages=stages)
+    return dataclasses.replace(g, block_n=bn, block_k=128, num_stages=stages)
+
+
+def fp8_gemv_tiles(g: GemmConfig, row_mult: int, a_esize: int) -> GemmConfig:
+    """An fp8 block tile of the direct tensor-core GEMVs (``_gemv_dot``): block_k = 128 (one scale block per step);
+    gemm1 (``row_mult`` 2) 128 output columns (its epilogue quantizes whole 128-column groups for gemm2; 256 weight
+    rows with a gated activation), gemm2 64 to 256 weight rows (a warpgroup's MMA takes 64); 8 warps only for 256
+    rows; stages whose 16-row activation tiles (``a_esize`` bytes) and weight tiles fit SMEM_BUDGET."""
+    bn = 128 if row_mult == 2 else min(max(g.block_n, 64), 256)
+    warps = 8 if g.num_warps >= 8 and row_mult * bn >= 256 else 4
+    stages = max(2, g.num_stages)
+
+    def smem():
+        return stages * (16 * a_esize + row_mult * bn) * 128
+
+    while smem() > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    return dataclasses.replace(g, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, tma_weights=False,
+                               persistent=False)
 
 
 def mxfp4_mma_tiles(g: GemmConfig, row_mult: int, block_m: int, a_esize: int) -> GemmConfig:

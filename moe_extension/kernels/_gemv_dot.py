@@ -1,10 +1,12 @@
 """Direct (per-pair, no routing) expert GEMVs with tensor-core steps and a split reduction: the decode schedule of
-the weight formats whose tiles only go through tensor cores (MXFP4 in the MMA layout, ``WFMT_MXFP4_MMA``).
+the weight formats of ``WeightOperand.dot_gemvs``: MXFP4 in the MMA layout (``WFMT_MXFP4_MMA``, whose tiles only go
+through tensor cores) and fp8 block (``WFMT_FP8_BLOCK``: e4m3 tiles into the fp8 MMA, no dequantization).
 
 Pairs ``p = t * topk + j`` of token ``t`` and slot ``j``; ``e`` = local expert of the slot (``_routing.local_expert``);
 weights ``[E, out, in]`` in the format ``WFMT`` (``_weight_formats``). A program multiplies one tile of weight rows
-by one activation row over one split of the reduction: ``dot_step`` with the row as row 0 of a 16-row A tile (the
-MMA's N; the other rows are zeros), so the weights are decoded exactly as in the sorted kernels.
+by one activation row over one split of the reduction: ``dot_step_t`` with the tile's weight rows as the MMA's M and
+the row as column 0 of its 16 (the other columns are zeros), so the weights are decoded (MXFP4) or the row quantized
+(fp8 block, per 128 columns) exactly as in the sorted kernels.
 
 - ``gemv1_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): x[t] times the rows of gemm1's output tile (2 BLOCK_N
   rows with a gated activation, stacked as in ``_grouped_gemm._gemm1_block``) -> ``a[p, tile]`` with gemm1's
@@ -28,26 +30,29 @@ import triton.language as tl
 from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, gemm1_epilogue, gemm1_weight_rows
 from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import acc_finish, dot_step, scale_rows, weight_advance, weight_ptrs
+from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quantize_fp8_groups, scale_rows,
+                                                   weight_advance, weight_ptrs)
 
 
 @triton.jit
-def _rows_times_row(x_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, stride_xk, stride_we, stride_wn, stride_wk,
+def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, stride_xk, stride_we, stride_wn, stride_wk,
                     stride_se, stride_sn, stride_sk, W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                    WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr, G_ON_A: tl.constexpr):
+                    WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr, G_ON_A: tl.constexpr,
+                    A_Q: tl.constexpr):
     """[W_ROWS] fp32: sum over k0 <= k < k_end of W[e, wr, k] * x[k] (x = the row at ``x_row``, times ``g`` first
-    with G_ON_A), in tensor-core steps of BLOCK_K columns (k0 a multiple of BLOCK_K)."""
+    with G_ON_A), in tensor-core steps of BLOCK_K columns (k0 a multiple of BLOCK_K). A_Q (fp8 block): the row holds
+    e4m3 values already, and ``xs_row`` its scales per 128 columns (``quantize_fp8_rows``; one per step)."""
     r16 = tl.arange(0, 16)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
                                  scale_rows(e64, wr64, stride_se, stride_sn, WFMT), k0, stride_wk, stride_sk, BLOCK_K,
-                                 WFMT, True)
+                                 WFMT, False)
     # The row as row 0 of a 16-row tile loaded like any dot operand (rows 1.. masked: zeros, nothing read), which
     # Triton pipelines into shared memory with the weight tiles.
     # NOTE: a plain load of the row per step (not pipelined, its latency in every step) took the GEMVs 24.6 and
     # 16.4 us at gpt-oss-120b M = 1 on the H100, this form 20.9 and 15.1 (torch.profiler kernel times of eager
     # calls, measured by replacing the load; 128-row tiles on 4 warps, splits 2 and 4).
-    acc = tl.zeros([16, W_ROWS], dtype=tl.float32)
+    acc_t = tl.zeros([W_ROWS, 16], dtype=tl.float32)
     for kk in range(0, tl.cdiv(k_end - k0, BLOCK_K)):
         k_left = k_end - k0 - kk * BLOCK_K
         x_ptrs = x_row + (k0 + kk * BLOCK_K + offs_k)[None, :] * stride_xk + r16[:, None] * 0
@@ -55,13 +60,17 @@ def _rows_times_row(x_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, stride_xk, st
             a = tl.load(x_ptrs, mask=(r16 == 0)[:, None], other=0.0)
         else:
             a = tl.load(x_ptrs, mask=(r16 == 0)[:, None] & (offs_k < k_left)[None, :], other=0.0)
+        if A_Q:
+            a_s = tl.load(xs_row + k0 // BLOCK_K + kk)
+        else:
+            a_s = g  # unused
         if G_ON_A:
             a = a.to(tl.float32) * g[:, None]
-        acc = dot_step(acc, a, a, w_ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, False)
+        acc_t = dot_step_t(acc_t, a, a_s, w_ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, A_Q)
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
-    acc = acc_finish(acc, WFMT)
+    acc_t = acc_finish(acc_t, WFMT)
     # rows 1.. multiplied zeros: only row 0 is kept (a NaN weight must not reach it through them)
-    return tl.sum(tl.where((r16 == 0)[:, None], acc, 0.0), axis=0)
+    return tl.sum(tl.where((r16 == 0)[None, :], acc_t, 0.0), axis=1)
 
 
 @triton.jit
@@ -75,18 +84,21 @@ def _arrive(cnt_ptr, expected):
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
                                *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
 def gemv1_dot_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
     P, topk, N_OUT, N_HALF, K, k_per_split, has_map, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
-    stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, alpha, limit,
+    stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit,
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
     [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
-    active pairs (``_lora.lora_rows_delta``), before the one rounding."""
+    active pairs (``_lora.lora_rows_delta``), before the one rounding. fp8 block: A_Q, ``x`` holds e4m3 rows and
+    ``xs_ptr`` their scales per 128 columns (row stride ``stride_xsm``); Q_OUT (BLOCK_N a multiple of 128), the
+    output is stored quantized for gemm2 (e4m3 values in ``out``, scales per 128 columns in ``os_ptr``, row stride
+    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result."""
     tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
@@ -102,9 +114,10 @@ def gemv1_dot_kernel(
     g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk + zero,
                 mask=zero + router_on_input != 0, other=1.0).to(tl.float32)
     k0 = s * k_per_split
-    h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, w_ptr, ws_ptr, expert.to(tl.int64), wr.to(tl.int64), g,
-                        k0, tl.minimum(K, k0 + k_per_split), stride_xk, stride_we, stride_wn, stride_wk, stride_se,
-                        stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC, G_ON_A)
+    h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, xs_ptr + t.to(tl.int64) * stride_xsm, w_ptr, ws_ptr,
+                        expert.to(tl.int64), wr.to(tl.int64), g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
+                        stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT,
+                        PTX, DOT_PREC, G_ON_A, A_Q)
     if SPLIT > 1:
         tiles = tl.num_programs(0)
         tile = p * tiles + pid_n
@@ -123,6 +136,11 @@ def gemv1_dot_kernel(
                                         lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
         result = tl.where(active, result + g * delta, result)
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    if Q_OUT:
+        # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax.
+        result, q_s = quantize_fp8_groups(tl.where(offs_n < N_OUT, result, 0.0), PTX, ws_ptr.dtype.element_ty == tl.uint8)
+        offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
+        tl.store(os_ptr + p.to(tl.int64) * stride_osm + offs_g, q_s, mask=offs_g < tl.cdiv(N_OUT, 128))
     tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),
              mask=offs_n < N_OUT)
 
@@ -130,18 +148,19 @@ def gemv1_dot_kernel(
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "nslot", "has_map", "has_bias", "apply_weight",
                                *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
 def gemv2_dot_kernel(
-    a_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
     P, topk, nslot, N_OUT, K, k_per_split, has_map, has_bias, apply_weight,
     stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk,
+    stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_asp,
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-    LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr,
 ):
     """out of gemm2 (module docstring): nslot = topk (SUM_SLOTS) or 1, SLOTS >= nslot a power of two; ``part``
     [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1. LORA (per pair only):
-    plus ``g B[l, e] u[p]`` on the active pairs, as in ``gemv1_dot_kernel``."""
+    plus ``g B[l, e] u[p]`` on the active pairs, as in ``gemv1_dot_kernel``. A_Q (fp8 block): ``a`` holds e4m3
+    values, ``as_ptr`` their scales per pair and 128 columns (pair stride ``stride_asp``)."""
     tl.static_assert(not LORA or not SUM_SLOTS, "the LoRA expand is fused per pair only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
@@ -164,10 +183,10 @@ def gemv2_dot_kernel(
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if valid:
         k0 = s * k_per_split
-        h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, w_ptr, ws_ptr, expert.to(tl.int64),
-                            wr.to(tl.int64), 1.0, k0, tl.minimum(K, k0 + k_per_split), stride_ak, stride_we,
-                            stride_wn, stride_wk, stride_se, stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX,
-                            DOT_PREC, False)
+        h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, as_ptr + p.to(tl.int64) * stride_asp,
+                            w_ptr, ws_ptr, expert.to(tl.int64), wr.to(tl.int64), 1.0, k0,
+                            tl.minimum(K, k0 + k_per_split), stride_ak, stride_we, stride_wn, stride_wk, stride_se,
+                            stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC, False, A_Q)
         if arrivals > 1:
             tl.store(part_ptr + (s * P * tiles + p * tiles + pid_n).to(tl.int64) * BLOCK_N + c, h)
     if arrivals > 1:

@@ -20,8 +20,8 @@ schedules; what differs between weight formats is only this plug, selected by th
   unless the caller hands over rows quantized already (``A_Q``: gemm2 reads the fp8 rows and scales that
   gemm1's epilogue wrote). A tensor-core step is one 128-column scale block (BLOCK_K = 128):
   ``acc += (a_q @ W_q^T) * a_s * w_s``, the fp8 dot on sm_89+, in fp16 below (e4m3 values and their products
-  are exact in fp16 / fp32), in fp32 in the interpreter. GEMV steps (BLOCK_K a multiple of 128) multiply the
-  dequantized values in fp32. UE8M0: with uint8 scale bytes (``fp8_weight_scales``: ``2^(b - 127)``) every
+  are exact in fp16 / fp32), in fp32 in the interpreter. The direct schedule's GEMVs are tensor-core steps too
+  (``dot_step_t``, ``_gemv_dot``). UE8M0: with uint8 scale bytes (``fp8_weight_scales``: ``2^(b - 127)``) every
   quantization of the activations rounds its scales up to powers of two; the kernels read that off the scale
   pointer's dtype (kernels without one take it as the ``UE8M0`` constexpr; host code asks ``WeightOperand.ue8m0``).
 
@@ -39,9 +39,10 @@ Each format provides the device functions every kernel calls at the same places:
 offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
 ``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
 ``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_finish`` (the accumulator after the last
-tensor-core step) and ``fma_step`` (GEMV step: elementwise products into a ``[..., R, BLOCK_K]`` fp32 tile,
-``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at the end). A new format adds a branch to each, its
-scale arguments and its tests.
+tensor-core step), and for the direct schedule's GEMVs either ``dot_step_t`` (the transposed tensor-core step of
+``_gemv_dot``: MXFP4 in the MMA layout, fp8 block) or ``fma_step`` (dense, MXFP4: elementwise products into a
+``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at the
+end). A new format adds a branch to each, its scale arguments and its tests.
 
 ``PTX`` (constexpr): True on the GPU: decode MXFP4 codes with inline PTX (``_E2M1X4_ASM``; sm_80+, bf16x2
 FMAs) and apply the scales by a bf16 multiply; round to fp8 with the hardware conversion. False, for Triton's
@@ -370,24 +371,6 @@ def quantize_fp8_groups(x, PTX: tl.constexpr, UE8M0: tl.constexpr = False):
 
 
 @triton.jit
-def _times_group_scales(v, s):
-    """``v [..., C]`` fp32 times its per-128-column scales ``s [..., C / 128]`` (same leading dims)."""
-    if len(v.shape) == 3:
-        A: tl.constexpr = v.shape[0]
-        B: tl.constexpr = v.shape[1]
-        C: tl.constexpr = v.shape[2]
-        out = tl.reshape(tl.reshape(v, (A, B, C // 128, 128)) * s[:, :, :, None], (A, B, C))
-    elif len(v.shape) == 2:
-        R: tl.constexpr = v.shape[0]
-        C2: tl.constexpr = v.shape[1]
-        out = tl.reshape(tl.reshape(v, (R, C2 // 128, 128)) * s[:, :, None], (R, C2))
-    else:
-        C1: tl.constexpr = v.shape[0]
-        out = tl.reshape(tl.reshape(v, (C1 // 128, 128)) * s[:, None], (C1,))
-    return out
-
-
-@triton.jit
 def _fp8_dot(aq, w, PTX: tl.constexpr):
     """``aq [BM, K] @ w [K, R]`` of e4m3 values into a fresh fp32 tile: the fp8 tensor-core dot on sm_89+,
     fp16 below (e4m3 values are exact in fp16, their products in fp32), fp32 in the interpreter."""
@@ -553,8 +536,8 @@ def dot_step(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_
     Dense and fp8 block: the tile loaded, then ``dot_tile``.
     """
     if WFMT == 3:
-        w = _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
-        acc = tl.trans(tl.dot(w, tl.trans(_as_bf16(a, PTX)), tl.trans(acc), input_precision=DOT_PREC))
+        acc = tl.trans(dot_step_t(tl.trans(acc), a, a_scale, ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC,
+                                  False))
     elif WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         a_ev, a_od = _even_odd(_as_bf16(a, PTX))
@@ -570,14 +553,45 @@ def dot_step(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def dot_step_t(acc_t, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+               WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr, A_Q: tl.constexpr):
+    """``acc_t [R, BM] += W[rows, k step] a^T``, ``a [BM, BLOCK_K]``: the transposed tensor-core step, the tile's R
+    weight rows as the MMA's M and the BM tokens as its N (16 suffice), for the formats whose GEMVs run on tensor
+    cores (``_gemv_dot``; ``weight_ptrs`` without ``TRANS``). MXFP4 in the MMA layout (every step of it): the
+    decoded tile is the register operand. fp8 block (BLOCK_K = 128, a weight scale per row): ``a`` quantized here,
+    or with A_Q e4m3 already with ``a_scale`` its scale (one row: a scalar); the block's product scaled by the weight
+    scale of its row and the activation scale of its token.
+    NOTE: fp8 in the untransposed form (``dot_tile`` with 16 token rows) ran mma.sync in fp16 and spilled (Triton
+    3.6, sm_90, ptxas -v: 255 registers, 764 B of spills at 128 weight rows); transposed it is a wgmma with the
+    weights read from shared memory."""
+    if WFMT == 3:
+        w = _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
+        acc_t = tl.dot(w, tl.trans(_as_bf16(a, PTX)), acc_t, input_precision=DOT_PREC)
+    else:
+        tl.static_assert(WFMT == 2 and BLOCK_K == 128, "transposed tensor-core steps: MXFP4 in the MMA layout and "
+                         "fp8 block (one 128-column scale block per step)")
+        if EVEN_K:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[None, :], other=0.0)
+        ws = fp8_weight_scales(tl.load(s_ptrs))
+        if A_Q:
+            acc_t += _fp8_dot(w, tl.trans(a), PTX) * (ws * a_scale)
+        else:
+            aq, a_s = fp8_operand(a, a_scale, s_ptrs, PTX, False)
+            acc_t += _fp8_dot(w, tl.trans(aq), PTX) * ws * a_s[None, :]
+    return acc_t
+
+
+@triton.jit
 def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
              PTX: tl.constexpr):
     """GEMV step: ``acc [..., R, BLOCK_K] += W [..., R, k step] * x [..., 1, BLOCK_K]`` elementwise in fp32
-    (MXFP4: the even and the odd columns into the same BLOCK_K / 2 columns of acc; fp8 block: ``x`` quantized per
-    128 columns, both operands dequantized). ``x`` is [BLOCK_K] (one row for all
-    the tile's rows) or [S, BLOCK_K] (one per leading index of a 3-D tile); ``k_left`` as in ``dot_step`` (a
-    scalar or per leading index, [S, 1, 1]). Not for the MMA layout (tensor-core steps only: ``_gemv_dot``)."""
-    tl.static_assert(WFMT != 3, "MXFP4 in the MMA layout multiplies in tensor-core steps only (_gemv_dot)")
+    (MXFP4: the even and the odd columns into the same BLOCK_K / 2 columns of acc). ``x`` is [BLOCK_K] (one row
+    for all the tile's rows) or [S, BLOCK_K] (one per leading index of a 3-D tile); ``k_left`` as in ``dot_step``
+    (a scalar or per leading index, [S, 1, 1]). Dense and MXFP4 only: the formats of ``dot_step_t`` multiply in the
+    tensor-core GEMVs of ``_gemv_dot``."""
+    tl.static_assert(WFMT == 0 or WFMT == 1, "fp8 block and the MMA layout run the tensor-core GEMVs (_gemv_dot)")
     if WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         x_ev, x_od = _even_odd(_as_bf16(x, PTX).to(tl.float32))
@@ -591,15 +605,6 @@ def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
             w = tl.load(ptrs)
         else:
             w = tl.load(ptrs, mask=tl.arange(0, BLOCK_K) < k_left, other=0.0)
-        if WFMT == 2:
-            # Both operands dequantized (e4m3 value times its scale, as quant.fp8_block does) in fp32.
-            if EVEN_K:
-                ws = tl.load(s_ptrs)
-            else:
-                ws = tl.load(s_ptrs, mask=tl.arange(0, BLOCK_K // 128) * 128 < k_left, other=0)
-            w = _times_group_scales(w.to(tl.float32), fp8_weight_scales(ws))
-            xq, xs = quantize_fp8_groups(x, PTX, s_ptrs.dtype.element_ty == tl.uint8)
-            x = _times_group_scales(xq.to(tl.float32), xs)
         xf = x.to(tl.float32)
         if len(x.shape) == 2:
             xf = xf[:, None, :]
@@ -637,6 +642,12 @@ class WeightOperand:
         """fp8 block with UE8M0 byte scales: the activations it multiplies are quantized with power-of-two scales
         (the kernels read that off the scale pointer's dtype; host code that quantizes asks here)."""
         return self.fmt == WFMT_FP8_BLOCK and self.scale.dtype == torch.uint8
+
+    @property
+    def dot_gemvs(self) -> bool:
+        """Whether the direct schedule multiplies in tensor-core GEMVs (``_gemv_dot``): MXFP4 in the MMA layout
+        (tensor-core steps only) and fp8 block (its FMA GEMVs would dequantize every weight in fp32)."""
+        return self.fmt in (WFMT_MXFP4_MMA, WFMT_FP8_BLOCK)
 
     @property
     def element_tiles(self) -> bool:

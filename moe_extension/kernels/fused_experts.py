@@ -11,9 +11,10 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
 (see ``_configs``), with P = M * topk pairs:
 - direct (decode: M = 1, or P * 8 <= E): 2 launches. ``gemv1`` (+ activation), grid
   (cdiv(N, BN), P) -> ``a [P, N]``; ``gemv2`` over each token's slots (the topk sum fused, fixed order),
-  grid (cdiv(K, BN), M) -> ``out [M, K]``. MXFP4 in the MMA layout multiplies in tensor-core steps
-  (``_gemv_dot``): grids (tiles, P, splits of the reduction), 3 launches (one zeroes the counters that let
-  the last program of an output tile sum the partials and the slots in a fixed order).
+  grid (cdiv(K, BN), M) -> ``out [M, K]``. MXFP4 in the MMA layout and fp8 block multiply in tensor-core
+  steps (``_gemv_dot``): grids (tiles, P, splits of the reduction), 3 launches (one zeroes the counters that
+  let the last program of an output tile sum the partials and the slots in a fixed order; fp8 block: one more
+  quantizes x).
 - sorted: 4 launches (6 when P > 128: the routing takes three; one more when gemm1 copies its token rows
   into sorted order for TMA loads, ``tma_a``). ``route`` -> ``gemm1`` (+ activation),
   grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
@@ -83,15 +84,17 @@ def select_config(M: int, hidden_states: torch.Tensor, w1: WeightOperand, w2: We
     if config is not None:
         return config
     E, two_n, K = w1.shape
-    return get_config(local_tokens(M, E, expert_map), E, two_n // 2, K, topk, hidden_states.dtype,
+    return get_config(local_tokens(M, E, expert_map, quant), E, two_n // 2, K, topk, hidden_states.dtype,
                       is_row_major(w1.w), is_row_major(w2.w), hidden_states.device, quant)
 
 
-def local_tokens(M: int, E: int, expert_map: torch.Tensor | None) -> int:
+def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "none") -> int:
     """The token count a config is chosen for: M, or with an ``expert_map`` over more experts than the E held here
     (an expert-parallel shard) M * E / E_global, at least 2: under uniform routing that share of the slots is
     local, so the local experts see the rows of that many tokens with every slot local (shapes only). The floor
-    of 2 keeps a shard off the direct schedule, whose grid covers all M * topk pairs, most of them not local.
+    of 2 keeps a shard off the direct schedule, whose grid covers all M * topk pairs, most of them not local;
+    fp8 block's floor is 1: its direct tensor-core GEMVs (``_gemv_dot``) split the local pairs' reductions over
+    the GPU, where its sorted first GEMM has only N / 128 tiles per expert.
     NOTE: DeepSeek-V3's 32-expert shard of 256 (bf16, ``python benchmarks/bench_zoo.py --models deepseek-v3-ep8``)
     on the H100, ours / floor before -> after this and ``_configs.dense_sorted_tiles`` together (not measured
     apart): M = 8 1.09 -> 1.06, 64 1.03 -> 0.99, 512 1.06 -> 1.02, 2048 1.18 -> 1.17, 8192 2.15 -> 1.62. M = 8
@@ -99,10 +102,14 @@ def local_tokens(M: int, E: int, expert_map: torch.Tensor | None) -> int:
     CUDA-graph medians over 8 random routings (0.75 local pairs on average): direct 59.4 us, sorted (the config
     of 2 tokens) 36.8; with no local pair 42.2 against 10.7 (the direct second GEMV's 3584 programs per token
     cost 40 us with nothing to read), with one 63.7 against 55.2 (a scratch A/B of the two configs through
-    ``fused_experts_triton(config=...)``; its figure: the deepseek-v3-ep8 M = 1 cell of bench_zoo.py)."""
+    ``fused_experts_triton(config=...)``; its figure: the deepseek-v3-ep8 M = 1 cell of bench_zoo.py).
+    NOTE: DeepSeek-V3's 32-expert shard of 256 in fp8 block on the H100, the direct schedule (the heuristic's
+    config at 1 token) against the sorted one (its config at 2), CUDA-graph medians over 8 random routings: M = 1
+    25.1 against 40.7 us, M = 4 69.1 against 84.6 (a scratch A/B of the two configs through
+    ``fused_experts_triton(config=...)``; the figures of the op: the shard's cells of bench_fused_experts_fp8.py)."""
     if expert_map is None or expert_map.numel() <= E:
         return M
-    return max(2, round(M * E / expert_map.numel()))
+    return max(1 if quant == "fp8_block" else 2, round(M * E / expert_map.numel()))
 
 
 def _stride(t: torch.Tensor | None, dim: int) -> int:
@@ -347,17 +354,26 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
 
 
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
-           lora: FusedExpand | None = None):
-    """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (MXFP4 in the MMA layout):
+           lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None):
+    """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``):
     ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
-    the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``)."""
+    the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``). fp8 block: x quantized up front
+    (``quantize_fp8_rows``) unless the router weights scale it (``weights``: g x is quantized per pair, per step);
+    ``out_scale`` [P, cdiv(n_out, 128)] (cfg.block_n a multiple of 128): out is e4m3 and the rows are stored
+    quantized, these their scales."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
     M, topk = topk_ids.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     has_map = expert_map is not None
-    if w1.fmt == WFMT_MXFP4_MMA:
+    if w1.dot_gemvs:
+        x_scale = None
+        if w1.fmt == WFMT_FP8_BLOCK and weights is None:
+            # NOTE: quantized in the GEMV's steps instead (the row as a 16-row tile), the DeepSeek-V3 layer's gemv1
+            # took 202.5 us at M = 1 on the H100 (1.16 TB/s), against 90.4 us on e4m3 rows (2.60 TB/s; scratch
+            # timings of _gemv1, 128 weight rows on 4 warps, split 2; ncu: issue-bound, 12% occupancy).
+            x, x_scale = quantize_fp8_rows(x, w1.ue8m0)
         tiles = triton.cdiv(n_out, cfg.block_n)
         splits, per_split = split_reduction(K, cfg)
         w_rows = cfg.block_n if act == kern.ACT_NONE else 2 * cfg.block_n
@@ -366,16 +382,18 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
         cnt = counters if counters is not None else _zeroed_counters(_gemv1_dot_counters(M * topk, n_out, K, cfg),
                                                                      x.device)
         gemv1_dot_kernel[(tiles, M * topk, splits)](
-            x, w1.w, w1.scale, bias if bias is not None else out, out, part, cnt,
-            weights if weights is not None else out,
+            x, x_scale if x_scale is not None else x, w1.w, w1.scale, bias if bias is not None else out, out,
+            out_scale if out_scale is not None else out, part, cnt, weights if weights is not None else out,
             topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
             M * topk, topk, n_out, two_n // 2, K, per_split, int(has_map), int(bias is not None),
             int(weights is not None), x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
             out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
-            _stride(weights, 0), _stride(weights, 1), float(alpha), float(limit), *lora_args,
+            _stride(weights, 0), _stride(weights, 1), _stride(x_scale, 0), _stride(out_scale, 0), float(alpha),
+            float(limit), *lora_args,
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
-            G_ON_A=weights is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
+            G_ON_A=weights is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            A_Q=x_scale is not None, Q_OUT=out_scale is not None, **lora_flags,
         )
         return
     grid = (triton.cdiv(n_out, cfg.block_n), M * topk)
@@ -393,9 +411,10 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
 
 
 def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, counters=None,
-           lora: FusedExpand | None = None):
+           lora: FusedExpand | None = None, a_scale: torch.Tensor | None = None):
     """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]. ``counters`` and ``lora``
-    (not with sum_slots): as in ``_gemv1`` (``_gemv2_dot_counters``)."""
+    (not with sum_slots): as in ``_gemv1`` (``_gemv2_dot_counters``). fp8 block: ``a`` e4m3 with ``a_scale``
+    [M * topk, cdiv(N, 128)] its scales (gemv1's quantized output), or quantized here (``quantize_fp8_rows``)."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
@@ -406,7 +425,10 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
     else:
         stride_ot, stride_oj, stride_on = out.stride(0), out.stride(1), out.stride(2)
     slots = triton.next_power_of_2(topk) if sum_slots else 1
-    if w2.fmt == WFMT_MXFP4_MMA:
+    if w2.dot_gemvs:
+        if w2.fmt == WFMT_FP8_BLOCK and a_scale is None:
+            q, a_scale = quantize_fp8_rows(a.reshape(M * topk, N), w2.ue8m0)
+            a = q.view(M, topk, N)
         tiles = triton.cdiv(K, cfg.block_n)
         splits, per_split = split_reduction(N, cfg)
         nslot = topk if sum_slots else 1
@@ -415,15 +437,15 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
         cnt = counters if counters is not None else _zeroed_counters(
             _gemv2_dot_counters(M, topk, K, N, cfg, sum_slots), a.device)
         gemv2_dot_kernel[(tiles, M * topk, splits)](
-            a, w2.w, w2.scale, bias if bias is not None else out, out, part, cnt,
+            a, a_scale if a_scale is not None else a, w2.w, w2.scale, bias if bias is not None else out, out, part, cnt,
             weights if weights is not None else out, topk_ids, expert_map if has_map else topk_ids,
             expert_map.numel() if has_map else E, E, M * topk, topk, nslot, K, N, per_split, int(has_map),
             int(bias is not None), int(weights is not None), a.stride(0), a.stride(1), a.stride(2), *w2.strides,
             _stride(bias, 0), _stride(bias, 1), stride_ot, stride_oj, stride_on, topk_ids.stride(0),
-            topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), *lora_args,
+            topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), _stride(a_scale, 0), *lora_args,
             SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lora_flags,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, A_Q=a_scale is not None, **lora_flags,
         )
         return
     # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
@@ -453,11 +475,10 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     """out [M, K] = sum_j g_j FFN_{e_j}(x) (or sum_j FFN_{e_j}(g_j x) with apply_router_weight_on_input).
 
     quant: "none", "mxfp4" or "fp8_block" (w1 / w2 with their scales; see ``_weight_formats``). fp8 block
-    quantizes the activations per token per 128 columns: in the sorted schedule x once up front
-    (``quantize_fp8_rows``; per slot inside gemm1 with apply_router_weight_on_input, since g x is what is
-    quantized) and gemm1's output in its epilogue (e4m3 rows + scales, gemm2's input); in the direct schedule
-    both GEMVs quantize their input as they load it (the intermediate is kept in fp32). pdl: programmatic
-    dependent launch where the device has it (False: plain stream order, for A/B runs)."""
+    quantizes the activations per token per 128 columns: x once up front (``quantize_fp8_rows``; per slot inside
+    gemm1 with apply_router_weight_on_input, since g x is what is quantized) and gemm1's output in its epilogue
+    (e4m3 rows + scales, gemm2's input), in both schedules. pdl: programmatic dependent launch where the device
+    has it (False: plain stream order, for A/B runs)."""
     M, K = hidden_states.shape
     w1, w2 = WeightOperand(w1, w1_scale, quant), WeightOperand(w2, w2_scale, quant)
     E, two_n, _ = w1.shape
@@ -475,15 +496,17 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     fp8 = w1.fmt == WFMT_FP8_BLOCK
     with device_guard(dev):
         if cfg.path == "direct":
-            a = torch.empty((M, topk, N), dtype=torch.float32 if fp8 else dtype, device=dev)
+            # fp8 block: gemv1 stores its rows quantized (e4m3 + scales), gemv2's input.
+            a = torch.empty((M, topk, N), dtype=torch.float8_e4m3fn if fp8 else dtype, device=dev)
+            a_scale = torch.empty((M * topk, triton.cdiv(N, 128)), dtype=torch.float32, device=dev) if fp8 else None
             c1 = c2 = None
-            if w1.fmt == WFMT_MXFP4_MMA:  # one zeroing launch for both GEMVs' counters
+            if w1.dot_gemvs:  # one zeroing launch for both GEMVs' counters
                 n1 = _gemv1_dot_counters(M * topk, N, K, cfg.gemm1)
                 c1 = _zeroed_counters(n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True), dev)
                 c2 = c1[n1:] if c1.numel() > n1 else c1
             _gemv1(hidden_states, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
-                   cfg.gemm1, c1)
-            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2)
+                   cfg.gemm1, c1, out_scale=a_scale)
+            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale)
             return out
         x, x_scale, a_scale = hidden_states, None, None
         if fp8 and w_in is None and not gathers_rows(hidden_states, cfg.gemm1, quantize=True):
@@ -539,7 +562,8 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     h = torch.zeros((M, topk, two_n), dtype=dtype, device=dev)
     if M == 0:
         return h
-    cfg = config or get_config(local_tokens(M, E, expert_map), E, two_n // 2, K, topk, dtype, is_row_major(w1.w), True,
+    cfg = config or get_config(local_tokens(M, E, expert_map, quant), E, two_n // 2, K, topk, dtype, is_row_major(w1.w),
+                               True,
                                dev, quant)
     h_rows = h.view(M * topk, two_n)
     pdl = pdl_capable(dev)
@@ -593,7 +617,7 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
     if M == 0:
         return y
     if config is None:
-        config = get_config(local_tokens(M, E, expert_map), E, N, K, topk, dtype, True, is_row_major(w2.w), dev,
+        config = get_config(local_tokens(M, E, expert_map, quant), E, N, K, topk, dtype, True, is_row_major(w2.w), dev,
                             quant)
     pdl = pdl_capable(dev)
     with device_guard(dev):
