@@ -318,18 +318,13 @@ def tile_name(g) -> str:
 def direct_candidates(heuristic, quant: str = "none"):
     """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps. The
     tensor-core GEMVs (MXFP4 in the MMA layout, fp8 block; 128-column steps): the split of each reduction halved and
-    doubled, one more stage, and twice the weight rows on 8 warps (fp8 block's gemm1: its 128 columns, 256 rows,
-    on 8 warps); fp8 block's gemm2 also half the weight rows with twice the splits (its rows are 128 bytes per
-    step)."""
+    doubled, one more stage, and 256 weight rows on 8 warps (gemm1's gated tiles: 128 columns of gate and up)."""
     if quant in ("mxfp4_mma", "fp8_block"):
         out = []
         for which, g in enumerate((heuristic.gemm1, heuristic.gemm2)):
-            wide = g.block_n if quant == "fp8_block" and which == 0 else 2 * g.block_n
             cands = [g, dataclasses.replace(g, split_k=max(1, g.split_k // 2)),
                      dataclasses.replace(g, split_k=2 * g.split_k), dataclasses.replace(g, num_stages=4),
-                     dataclasses.replace(g, block_n=wide, num_warps=8)]
-            if quant == "fp8_block" and which == 1:
-                cands.append(dataclasses.replace(g, block_n=g.block_n // 2, split_k=2 * g.split_k))
+                     dataclasses.replace(g, block_n=128 if which == 0 else 256, num_warps=8)]
             out.append(list(dict.fromkeys(cands)))  # an unsplit reduction has no half split
         return out
     out = []
