@@ -138,7 +138,8 @@ def gemv1_dot_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if Q_OUT:
         # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax.
-        result, q_s = quantize_fp8_groups(tl.where(offs_n < N_OUT, result, 0.0), PTX, ws_ptr.dtype.element_ty == tl.uint8)
+        result, q_s = quantize_fp8_groups(tl.where(offs_n < N_OUT, result, 0.0), PTX,
+                                          ws_ptr.dtype.element_ty == tl.uint8)
         offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
         tl.store(os_ptr + p.to(tl.int64) * stride_osm + offs_g, q_s, mask=offs_g < tl.cdiv(N_OUT, 128))
     tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),

@@ -371,8 +371,9 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
         x_scale = None
         if w1.fmt == WFMT_FP8_BLOCK and weights is None:
             # NOTE: quantized in the GEMV's steps instead (the row as a 16-row tile), the DeepSeek-V3 layer's gemv1
-            # took 202.5 us at M = 1 on the H100 (1.16 TB/s), against 90.4 us on e4m3 rows (2.60 TB/s; scratch
-            # timings of _gemv1, 128 weight rows on 4 warps, split 2; ncu: issue-bound, 12% occupancy).
+            # took 202.5 us at M = 1 on the H100 (1.16 TB/s; ncu: issue-bound, 2 warps per scheduler; a scratch
+            # timing of _gemv1, 128 weight rows on 4 warps, split 2). On e4m3 rows the tuner's gemv1 candidates take
+            # 89.5 to 95.4 us (2.5-2.6 TB/s; ``python benchmarks/tune_fused_experts.py --quant fp8_block --tokens 1``).
             x, x_scale = quantize_fp8_rows(x, w1.ue8m0)
         tiles = triton.cdiv(n_out, cfg.block_n)
         splits, per_split = split_reduction(K, cfg)
