@@ -319,7 +319,9 @@ def direct_candidates(heuristic, quant: str = "none"):
     """GEMV tiles around the heuristic's: the same bytes per step reshaped, deeper pipelines, more warps. The
     tensor-core GEMVs (MXFP4 in the MMA layout, fp8 block; 128-column steps): the split of each reduction halved and
     doubled, one more stage, and 256 weight rows on 8 warps (gemm1's gated tiles: 128 columns of gate and up)."""
-    if quant in ("mxfp4_mma", "fp8_block"):
+    from moe_extension.kernels._configs import DOT_GEMV_QUANTS
+
+    if quant in DOT_GEMV_QUANTS:
         out = []
         for which, g in enumerate((heuristic.gemm1, heuristic.gemm2)):
             cands = [g, dataclasses.replace(g, split_k=max(1, g.split_k // 2)),

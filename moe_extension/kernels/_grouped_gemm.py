@@ -217,6 +217,22 @@ def _valid_rows(sorted_ptr, row0, P, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _gemm1_tma_tile(w_desc, expert, n0, k, ACT: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PART: tl.constexpr):
+    """gemm1's weight tile [ROWS, BLOCK_K] at columns k.. for the output columns n0.. by TMA (``_weight_desc``):
+    the rows of ``gemm1_weight_rows``, or with PART 1 the second ROWS of them (fp8 block's second part). Without
+    an activation and with the interleaved one (4) consecutive rows of [E, rows, K]; with the halves activations
+    the gate and up halves of the [E, 2, N, K] view (one part: a box of both, PART 1: the up half)."""
+    if ACT == 0:
+        w = w_desc.load([expert, n0 + PART * ROWS, k])
+    elif ACT == 4:
+        w = w_desc.load([expert, 2 * n0 + PART * ROWS, k])
+    else:
+        w = w_desc.load([expert, PART, n0, k])
+    return w.reshape(ROWS, BLOCK_K)
+
+
+@triton.jit
 def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
                  expert, row0, n0, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                  stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
@@ -312,18 +328,10 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
             # One quantization of the step's activations for both parts.
             a, a_s = fp8_operand(a, a_s, s_ptrs, PTX, A_Q)
             if W_DESC:
-                if ACT == 0:
-                    w = w_desc.load([expert, n0, kk * BLOCK_K])
-                    w_b = w_desc.load([expert, n0 + W_ROWS // 2, kk * BLOCK_K])
-                elif ACT == 4:
-                    w = w_desc.load([expert, 2 * n0, kk * BLOCK_K])
-                    w_b = w_desc.load([expert, 2 * n0 + W_ROWS // 2, kk * BLOCK_K])
-                else:
-                    w = w_desc.load([expert, 0, n0, kk * BLOCK_K])
-                    w_b = w_desc.load([expert, 1, n0, kk * BLOCK_K])
-                acc = dot_tile(acc, a, a_s, w.reshape(W_ROWS // 2, BLOCK_K).T, s_ptrs, WFMT, PTX, DOT_PREC, True)
-                acc_b = dot_tile(acc_b, a, a_s, w_b.reshape(W_ROWS // 2, BLOCK_K).T, s_ptrs_b, WFMT, PTX, DOT_PREC,
-                                 True)
+                w = _gemm1_tma_tile(w_desc, expert, n0, kk * BLOCK_K, ACT, W_ROWS // 2, BLOCK_K, 0)
+                w_b = _gemm1_tma_tile(w_desc, expert, n0, kk * BLOCK_K, ACT, W_ROWS // 2, BLOCK_K, 1)
+                acc = dot_tile(acc, a, a_s, w.T, s_ptrs, WFMT, PTX, DOT_PREC, True)
+                acc_b = dot_tile(acc_b, a, a_s, w_b.T, s_ptrs_b, WFMT, PTX, DOT_PREC, True)
             else:
                 acc = dot_step(acc, a, a_s, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC,
                                True)
@@ -331,13 +339,8 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
                                  DOT_PREC, True)
             w_ptrs_b, s_ptrs_b = weight_advance(w_ptrs_b, s_ptrs_b, stride_wk, stride_sk, BLOCK_K, WFMT)
         elif W_DESC:
-            if ACT == 0:
-                w = w_desc.load([expert, n0, kk * BLOCK_K])
-            elif ACT == 4:
-                w = w_desc.load([expert, 2 * n0, kk * BLOCK_K])
-            else:
-                w = w_desc.load([expert, 0, n0, kk * BLOCK_K])
-            acc = dot_tile(acc, a, a_s, w.reshape(W_ROWS, BLOCK_K).T, s_ptrs, WFMT, PTX, DOT_PREC, A_Q)
+            w = _gemm1_tma_tile(w_desc, expert, n0, kk * BLOCK_K, ACT, W_ROWS, BLOCK_K, 0)
+            acc = dot_tile(acc, a, a_s, w.T, s_ptrs, WFMT, PTX, DOT_PREC, A_Q)
         else:
             acc = dot_step(acc, a, a_s, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, A_Q)
         a_ptrs += BLOCK_K * stride_xk
