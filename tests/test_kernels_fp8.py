@@ -111,6 +111,23 @@ def test_fp8_weight_scales_decode_every_byte():
 def test_quantize_fp8_rows_no_rows():
     q, s = quantize_fp8_rows(torch.empty(0, 300))
     assert q.shape == (0, 300) and s.shape == (0, 3)
+    z = torch.full((5,), 7, dtype=torch.int32)
+    quantize_fp8_rows(torch.empty(0, 300), zero=z)
+    assert (z == 0).all()
+
+
+@interpreted
+@pytest.mark.parametrize("M, K, n", [(1, 300, 1), (1, 7168, 3000), (3, 1000, 9000)])
+def test_quantize_fp8_rows_zeroes_the_counters(M, K, n):
+    """``zero``: the same launch stores 0 in every element of the buffer (more elements than its programs store
+    per pass included) and nothing past it; the quantized rows are those of the call without it."""
+    torch.manual_seed(n)
+    x = torch.randn(M, K)
+    buf = torch.full((n + 16,), -5, dtype=torch.int32)
+    q, s = quantize_fp8_rows(x, zero=buf[:n])
+    assert (buf[:n] == 0).all() and (buf[n:] == -5).all()
+    q_ref, s_ref = quantize_fp8_rows(x)
+    assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
 
 
 # ------------------------------------------------------------------------------------------------ experts

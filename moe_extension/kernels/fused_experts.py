@@ -354,13 +354,14 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
 
 
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
-           lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None):
+           lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None,
+           x_scale: torch.Tensor | None = None):
     """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``):
     ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
     the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``). fp8 block: x quantized up front
     (``quantize_fp8_rows``) unless the router weights scale it (``weights``: g x is quantized per pair, per step);
     ``out_scale`` [P, cdiv(n_out, 128)] (cfg.block_n a multiple of 128): out is e4m3 and the rows are stored
-    quantized, these their scales."""
+    quantized, these their scales. ``x_scale``: x is e4m3 already, these its scales (``quantize_fp8_rows``)."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
@@ -368,8 +369,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     has_map = expert_map is not None
     if w1.dot_gemvs:
-        x_scale = None
-        if w1.fmt == WFMT_FP8_BLOCK and weights is None:
+        if w1.fmt == WFMT_FP8_BLOCK and weights is None and x_scale is None:
             # NOTE: quantized in the GEMV's steps instead (the row as a 16-row tile), the DeepSeek-V3 layer's gemv1
             # took 202.5 us at M = 1 on the H100 (1.16 TB/s; ncu: issue-bound, 2 warps per scheduler; a scratch
             # timing of _gemv1, 128 weight rows on 4 warps, split 2). On e4m3 rows the tuner's gemv1 candidates take
@@ -501,12 +501,18 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             a = torch.empty((M, topk, N), dtype=torch.float8_e4m3fn if fp8 else dtype, device=dev)
             a_scale = torch.empty((M * topk, triton.cdiv(N, 128)), dtype=torch.float32, device=dev) if fp8 else None
             c1 = c2 = None
-            if w1.dot_gemvs:  # one zeroing launch for both GEMVs' counters
+            x, x_scale = hidden_states, None
+            if w1.dot_gemvs:  # both GEMVs' counters zeroed by one launch: with fp8's quantization of x, or alone
                 n1 = _gemv1_dot_counters(M * topk, N, K, cfg.gemm1)
-                c1 = _zeroed_counters(n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True), dev)
+                n = max(1, n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True))
+                if fp8 and w_in is None:
+                    c1 = torch.empty((n,), dtype=torch.int32, device=dev)
+                    x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0, zero=c1)
+                else:
+                    c1 = _zeroed_counters(n, dev)
                 c2 = c1[n1:] if c1.numel() > n1 else c1
-            _gemv1(hidden_states, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
-                   cfg.gemm1, c1, out_scale=a_scale)
+            _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit, cfg.gemm1, c1,
+                   out_scale=a_scale, x_scale=x_scale)
             _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale)
             return out
         x, x_scale, a_scale = hidden_states, None, None
@@ -564,8 +570,7 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     if M == 0:
         return h
     cfg = config or get_config(local_tokens(M, E, expert_map, quant), E, two_n // 2, K, topk, dtype, is_row_major(w1.w),
-                               True,
-                               dev, quant)
+                               True, dev, quant)
     h_rows = h.view(M * topk, two_n)
     pdl = pdl_capable(dev)
     with device_guard(dev):
