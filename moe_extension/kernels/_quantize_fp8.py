@@ -20,14 +20,15 @@ from moe_extension.kernels._weight_formats import quantize_fp8_groups
 
 @triton.jit
 def quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, z_ptr, n_zero, K, stride_xm, stride_xk, stride_qm, stride_sm,
-                             BLOCK_K: tl.constexpr, PTX: tl.constexpr, UE8M0: tl.constexpr):
-    """Row ``program_id(0)``, columns ``program_id(1) * BLOCK_K ..`` (BLOCK_K a multiple of 128); the programs
-    share the zeroing of ``z_ptr[:n_zero]``."""
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    step = tl.num_programs(0) * tl.num_programs(1) * 1024
-    for z0 in range(pid * 1024, n_zero, step):
-        offs_z = z0 + tl.arange(0, 1024)
-        tl.store(z_ptr + offs_z, tl.zeros([1024], dtype=tl.int32), mask=offs_z < n_zero)
+                             BLOCK_K: tl.constexpr, PTX: tl.constexpr, UE8M0: tl.constexpr, ZERO: tl.constexpr):
+    """Row ``program_id(0)``, columns ``program_id(1) * BLOCK_K ..`` (BLOCK_K a multiple of 128); with ZERO the
+    programs share the zeroing of ``z_ptr[:n_zero]``."""
+    if ZERO:
+        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        step = tl.num_programs(0) * tl.num_programs(1) * 1024
+        for z0 in range(pid * 1024, n_zero, step):
+            offs_z = z0 + tl.arange(0, 1024)
+            tl.store(z_ptr + offs_z, tl.zeros([1024], dtype=tl.int32), mask=offs_z < n_zero)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + m * stride_xm + offs * stride_xk, mask=offs < K, other=0.0)
@@ -50,7 +51,8 @@ def quantize_fp8_rows(x: torch.Tensor, ue8m0: bool = False,
         return q, s
     block_k = triton.next_power_of_2(min(1024, triton.cdiv(K, 128) * 128))  # up to 8 groups per program
     quantize_fp8_rows_kernel[(M, triton.cdiv(K, block_k))](
-        x, q, s, zero if zero is not None else s, zero.numel() if zero is not None else 0, K, x.stride(0), x.stride(1), q.stride(0), s.stride(0), BLOCK_K=block_k, PTX=x.device.type == "cuda",
-        UE8M0=ue8m0, num_warps=4,
+        x, q, s, zero if zero is not None else s, zero.numel() if zero is not None else 0, K, x.stride(0),
+        x.stride(1), q.stride(0), s.stride(0), BLOCK_K=block_k, PTX=x.device.type == "cuda", UE8M0=ue8m0,
+        ZERO=zero is not None, num_warps=4,
     )
     return q, s
