@@ -504,12 +504,12 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             x, x_scale = hidden_states, None
             if w1.dot_gemvs:  # both GEMVs' counters zeroed by one launch: with fp8's quantization of x, or alone
                 n1 = _gemv1_dot_counters(M * topk, N, K, cfg.gemm1)
-                n = max(1, n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True))
+                c1 = torch.empty((max(1, n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True)),),
+                                 dtype=torch.int32, device=dev)
                 if fp8 and w_in is None:
-                    c1 = torch.empty((n,), dtype=torch.int32, device=dev)
                     x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0, zero=c1)
                 else:
-                    c1 = _zeroed_counters(n, dev)
+                    c1.zero_()
                 c2 = c1[n1:] if c1.numel() > n1 else c1
             _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit, cfg.gemm1, c1,
                    out_scale=a_scale, x_scale=x_scale)
