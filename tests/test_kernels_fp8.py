@@ -309,6 +309,22 @@ def test_expert_gemms_match_torch(name, on_input, dtype, transposed, ue8m0):
     assert (h[invalid] == 0).all() and (y[invalid] == 0).all()
 
 
+@interpreted
+@pytest.mark.parametrize("name", ["sorted_split", "direct_split"])
+@pytest.mark.parametrize("K,N", [(200, 0), (0, 160)])
+def test_empty_hidden_or_intermediate(name, K, N):
+    """An empty intermediate (N = 0: each valid slot's w2 bias, weighted) or hidden dim (empty output) on both
+    schedules, split reductions included."""
+    w1, s1, w2, s2, b1, b2 = fp8_experts(4, K, N, bias=True, seed=K + N)
+    M = 1 if name == "direct_split" else 20
+    g, ids, _ = routing(M, 3, 4, seed=M)
+    x = torch.randn(M, K)
+    kw = dict(w1_bias=b1, w2_bias=b2, quant="fp8_block", w1_scale=s1, w2_scale=s2)
+    out = fused_experts_triton(x, w1, w2, g, ids, "silu", config=CONFIGS[name], **kw)
+    ref = fused_experts_torch(x, w1, w2, g, ids, "silu", **kw)
+    assert out.shape == (M, K) and out.isfinite().all() and rel_err(out, ref) <= TOLS[torch.float32]
+
+
 # ------------------------------------------------------------------------------------------------- configs
 
 

@@ -415,6 +415,27 @@ def test_empty_batch():
     assert expert_gemm2_triton(torch.empty(0, 2, 16, dtype=x.dtype, device=DEVICE), w2, ids[:0]).shape == (0, 2, 16)
 
 
+@pytest.mark.parametrize("cfg", ["sorted", "sorted_split", "direct"])
+@pytest.mark.parametrize("K,N", [(16, 0), (0, 16), (0, 0)])
+def test_empty_hidden_or_intermediate(cfg, K, N):
+    """Weights with an empty dimension (intermediate N = 0: the output is each valid slot's w2 bias, weighted;
+    hidden K = 0: empty outputs) on every schedule, split reductions included: the fp64 reference's values."""
+    M = 1 if cfg == "direct" else 20
+    x, w1, w2, g, ids, kw = _case(M, 3, 4, K, N, CASE_DTYPES[0], bias=True, seed=K + N)
+    for on_input in (False, True):
+        kw["apply_router_weight_on_input"] = on_input
+        out = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=CONFIGS[cfg], **kw)
+        ref = fused_experts_reference(x, w1, w2, g, ids, "swigluoai", **kw)
+        assert out.shape == (M, K) and (K == 0 or out.abs().max() > 0)
+        assert_close(out, ref, tolerance(x.dtype))
+    h = expert_gemm1_triton(x, w1, ids, w1_bias=kw["w1_bias"], config=CONFIGS[cfg])
+    assert_close(h, expert_gemm1_reference(x, w1, ids, w1_bias=kw["w1_bias"]), tolerance(x.dtype))
+    a = torch.randn(M, 3, N, dtype=x.dtype, device=DEVICE)
+    y = expert_gemm2_triton(a, w2, ids, w2_bias=kw["w2_bias"], topk_weights=g, config=CONFIGS[cfg])
+    assert y.shape == (M, 3, K)
+    assert_close(y, expert_gemm2_reference(a, w2, ids, w2_bias=kw["w2_bias"], topk_weights=g), tolerance(x.dtype))
+
+
 # ------------------------------------------------------------------------------------------------ configs
 
 ISSUE_SHAPES = [(128, 4, 2880, 2880), (128, 8, 2048, 768), (8, 2, 4096, 14336), (512, 8, 1000, 333),

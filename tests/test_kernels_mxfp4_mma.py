@@ -64,6 +64,16 @@ def test_prepare_round_trip_and_dequantize_exactly(shape):
     assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("shape", [(2, 0, 64), (2, 16, 0), (0, 16, 64)])
+def test_prepare_empty_weights(shape):
+    """Stacks with no rows, no columns or no experts prepare (and go back) to the same empty shapes."""
+    q, s = quantize_mxfp4(torch.randn(*shape))
+    qp, sp = prepare_mxfp4_mma(q, s)
+    assert qp.shape == q.shape and sp.shape == s.shape
+    q2, s2 = unprepare_mxfp4_mma(qp, sp)
+    assert q2.shape == q.shape and s2.shape == s.shape and dequantize_mxfp4_mma(qp, sp).shape == shape
+
+
 def test_prepare_accepts_strided_views():
     q, s = quantize_mxfp4(torch.randn(2, 32, 128))
     qt, st = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, s))
@@ -273,3 +283,20 @@ def test_heuristic_tiles_are_admitted(M):
     cfg = configs.sanitize(raw, torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
     assert (cfg.gemm1, cfg.gemm2) == (raw.gemm1, raw.gemm2)
     assert (cfg.gemm2.split_k > 1) == (M == 1)
+
+
+@interpreted
+@pytest.mark.parametrize("name", ["sorted_split", "direct_split"])
+@pytest.mark.parametrize("K,N", [(128, 0), (0, 128)])
+def test_empty_hidden_or_intermediate(name, K, N):
+    """An empty intermediate (N = 0: each valid slot's w2 bias, weighted) or hidden dim (empty output) on both
+    schedules, split reductions included, against the PyTorch implementation on the checkpoint layout."""
+    (w1, s1, w2, s2, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(4, K, N, bias=True, seed=K + N)
+    M = 1 if name == "direct_split" else 20
+    g, ids, _ = routing(M, 3, 4, seed=M)
+    x = torch.randn(M, K, dtype=torch.float16)
+    out = fused_experts_triton(x, q1, q2, g, ids, "swigluoai", w1_bias=b1, w2_bias=b2, quant="mxfp4_mma",
+                               w1_scale=t1, w2_scale=t2, config=CONFIGS[name])
+    ref = fused_experts_torch(x, w1, w2, g, ids, "swigluoai", w1_bias=b1, w2_bias=b2, quant="mxfp4", w1_scale=s1,
+                              w2_scale=s2)
+    assert out.shape == (M, K) and out.isfinite().all() and rel_err(out, ref) <= FP16_TOL

@@ -35,11 +35,11 @@ pdl_capable = tma_capable
 
 
 def tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
-    """Whether TMA can load [.., block_k] tiles of t: 16-bit elements (or 1-byte fp8), last dim contiguous,
-    base and outer strides 16-byte aligned, the reduction box within 256."""
+    """Whether TMA can load [.., block_k] tiles of t: not empty, 16-bit elements (or 1-byte fp8), last dim
+    contiguous, base and outer strides 16-byte aligned, the reduction box within 256."""
     esize = t.element_size()
-    return ((esize == 2 or t.dtype == torch.float8_e4m3fn) and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s * esize % 16 == 0 for s in t.stride()[:-1]) and block_k <= 256)
+    return (t.numel() > 0 and (esize == 2 or t.dtype == torch.float8_e4m3fn) and t.stride(-1) == 1
+            and t.data_ptr() % 16 == 0 and all(s * esize % 16 == 0 for s in t.stride()[:-1]) and block_k <= 256)
 
 
 @functools.lru_cache(maxsize=None)

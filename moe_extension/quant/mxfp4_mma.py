@@ -35,6 +35,8 @@ inside each 16-row band differs. Per band of 16 rows and per 64 columns (a chunk
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_extension.quant.mxfp4 import E8M0_NAN, dequantize_mxfp4
@@ -97,8 +99,9 @@ def prepare_mxfp4_mma(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
                          f"{MMA_MAX_SCALE}) or NaN (255), got byte {int(scales[big].max())} (use quant='mxfp4' for "
                          f"these weights)")
     rows, cols = packed.shape[-2], 2 * packed.shape[-1]
-    p2 = packed.reshape(-1, rows, cols // 2)
-    s2 = scales.reshape(-1, rows, cols // 32)
+    n = math.prod(packed.shape[:-2])  # explicit: empty weights (rows or cols 0) have no -1 to infer
+    p2 = packed.reshape(n, rows, cols // 2)
+    s2 = scales.reshape(n, rows, cols // 32)
     q_out = torch.empty((p2.shape[0], rows, cols // 2), dtype=torch.uint8, device=packed.device)
     bands, chunks = rows // MMA_ROWS, cols // MMA_COLS
     for e in range(p2.shape[0]):
@@ -113,7 +116,7 @@ def prepare_mxfp4_mma(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
                 words |= ((code >> bit) & 1) << _source_bit(a, h, i, bit)
         q_out[e] = words.view(torch.uint8).reshape(rows, cols // 2)
     s2 = torch.where(s2 == E8M0_NAN, MMA_NAN_SCALE, s2)
-    s_out = s2.reshape(-1, bands, 2, 8, chunks, 2).permute(0, 1, 4, 3, 2, 5).reshape(-1, rows, cols // 32)
+    s_out = s2.reshape(n, bands, 2, 8, chunks, 2).permute(0, 1, 4, 3, 2, 5).reshape(n, rows, cols // 32)
     return q_out.reshape(packed.shape), s_out.contiguous().reshape(scales.shape)
 
 
@@ -124,8 +127,8 @@ def unprepare_mxfp4_mma(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor,
     lead = q.shape[:-2]
     rows, cols = q.shape[-2], 2 * q.shape[-1]
     bands, chunks = rows // MMA_ROWS, cols // MMA_COLS
-    words = q.contiguous().reshape(-1, bands, chunks, 8, 4, 4, 4).view(torch.int32).squeeze(-1)
-    n = words.shape[0]
+    n = math.prod(lead)
+    words = q.contiguous().reshape(n, bands, chunks, 8, 4, 4, 4).view(torch.int32).squeeze(-1)
     codes = torch.zeros((n, bands, 2, 8, chunks, 4, 2, 4, 2), dtype=torch.int32, device=q.device)
     for a, h, i in _PLANES:
         code = torch.zeros((n, bands, chunks, 8, 4, 4), dtype=torch.int32, device=q.device)
