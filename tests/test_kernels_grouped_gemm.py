@@ -483,7 +483,7 @@ def test_sanitize_clamps():
 
 def test_dense_heuristic_tiles_by_block_m():
     """16-bit weights (dbrx-tp8's experts: E 16, topk 4, K 6144, N 1344): blocks of 64 rows from 24 rows per expert
-    on, of 128 from 96, and the tiles of ``dense_sorted_tiles`` per block height (gemm2 persistent at 128); fp32
+    on, of 128 from 64, and the tiles of ``dense_sorted_tiles`` per block height (gemm2 persistent at 128); fp32
     activations and the quantized formats keep their own rules."""
     def bf16(M, N=1344, dtype=torch.bfloat16, quant="none"):
         return configs.heuristic_config(M, 16, N, 6144, 4, dtype, True, True, 132, quant)
@@ -491,8 +491,9 @@ def test_dense_heuristic_tiles_by_block_m():
     c = bf16(512)  # 128 rows per expert
     assert c.block_m == 128 and (c.gemm1.block_n, c.gemm1.group_m, c.gemm1.tma_weights) == (128, 0, True)
     assert (c.gemm2.block_n, c.gemm2.tma_weights, c.gemm2.persistent) == (256, True, True)
-    c = bf16(300)  # 75 rows
-    assert c.block_m == 64 and c.gemm1.block_n == 64 and c.gemm1.tma_weights and bf16(300, N=4096).gemm1.block_n == 128
+    assert bf16(300).block_m == 128 and bf16(256).block_m == 128  # 75 and 64 rows
+    c = bf16(240)  # 60 rows
+    assert c.block_m == 64 and c.gemm1.block_n == 64 and c.gemm1.tma_weights and bf16(240, N=4096).gemm1.block_n == 128
     assert not c.gemm2.persistent
     assert bf16(128).block_m == 64 and bf16(100).block_m == 64  # 32 and 25 rows: the block above
     c = bf16(80)  # 20 rows

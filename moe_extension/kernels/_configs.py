@@ -203,7 +203,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if rows > 24 and quant == "none" and esize == 2:
         # 16-bit weights: see dense_sorted_tiles (blocks of 64 from 24 rows per expert on).
         block_m = max(block_m, 64)
-    if rows >= 96 and (quant == "mxfp4_mma" or (quant == "none" and esize == 2)):
+    if (rows >= 96 and quant == "mxfp4_mma") or (rows >= 64 and quant == "none" and esize == 2):
         # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
         # 16-bit weights: see dense_sorted_tiles.
         block_m = 128
@@ -272,7 +272,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
 def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
     """16-bit weights, sorted schedule: the tiles that the tuner picks on the H100 (``tune_fused_experts.py``: the
     table's entries for the three benchmark models and its runs on the zoo of ``bench_zoo.py``), as a rule of
-    block_m (from 96 rows per expert on, blocks of 128: ``heuristic_config``):
+    block_m (from 64 rows per expert on, blocks of 128: ``heuristic_config``):
 
     - 16 rows: gemm1 tiles of 32 columns (64 weight rows) in 128-column steps; gemm2's weights by TMA;
     - 32 rows: gemm1 64 x 128 steps, 3 stages, weights by TMA in expert-major order, 16-row tail tiles; gemm2's
@@ -282,7 +282,18 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
       columns, weights by TMA.
 
     From 24 rows per expert on, blocks of 64 rows: at 32-40 rows an expert often spills into a second, small
-    block of 32 that runs its weight tiles again. From 128 rows (blocks of 128), gemm2 runs as the persistent kernel.
+    block of 32 that runs its weight tiles again. From 64 rows, blocks of 128, and gemm2 runs as the persistent
+    kernel: a block of 128 holds what would be an expert's full block of 64 and its partial second one.
+
+    NOTE: blocks of 128 (the tiles of this rule) against blocks of 64 on the zoo cells with 48-77 rows per expert
+    (H100, bf16, swigluoai, the zoo's inputs; CUDA-graph medians of 3 interleaved rounds, bitwise equal outputs):
+    deepseek-v2 M = 2048 (77 rows) 2881.7 against 3053.0 us, deepseek-v3-ep8 M = 2048 (64) 1072.7 against 1135.3,
+    deepseek-v3-tp4 M = 2048 (64) 2260.8 against 2309.2, jamba-v0.1 M = 512 (64) 2045.5 against 2156.9,
+    phi-3.5-moe M = 512 (64) 924.3 against 960.3, qwen2-57b-a14b-tp2 M = 512 (64) 687.8 against 693.4; but
+    deepseek-v2-lite M = 512 (48 rows) 444.8 against 426.5. To re-run one:
+    ``python benchmarks/ab_fused_experts.py --model deepseek-v2 --tokens 2048 --variant VARIANT64`` with VARIANT64
+    the blocks of 64: ``{"block_m": 64, "gemm1": {"block_n": 64, "num_warps": 4, "tail_m": 16}, "gemm2":
+    {"block_n": 128, "num_warps": 4, "num_stages": 4, "tma_weights": false, "persistent": false}}`` (N < 2048).
 
     NOTE: the tuner's runs on two zoo shapes (``python benchmarks/tune_fused_experts.py --models
     qwen3-next-80b-a3b-tp2 qwen3-235b-a22b-tp4 --tokens 1 8 64 512 2048 8192``, H100, bf16, swigluoai), tuner totals:
