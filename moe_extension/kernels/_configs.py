@@ -290,10 +290,12 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     deepseek-v2 M = 2048 (77 rows) 2881.7 against 3053.0 us, deepseek-v3-ep8 M = 2048 (64) 1072.7 against 1135.3,
     deepseek-v3-tp4 M = 2048 (64) 2260.8 against 2309.2, jamba-v0.1 M = 512 (64) 2045.5 against 2156.9,
     phi-3.5-moe M = 512 (64) 924.3 against 960.3, qwen2-57b-a14b-tp2 M = 512 (64) 687.8 against 693.4; but
-    deepseek-v2-lite M = 512 (48 rows) 444.8 against 426.5. To re-run one:
+    deepseek-v2-lite M = 512 (48 rows) 444.8 against 426.5. The same two configs on the A/B script's own inputs
+    (random routing, not the zoo's; this command was not run for these figures):
     ``python benchmarks/ab_fused_experts.py --model deepseek-v2 --tokens 2048 --variant VARIANT64`` with VARIANT64
     the blocks of 64: ``{"block_m": 64, "gemm1": {"block_n": 64, "num_warps": 4, "tail_m": 16}, "gemm2":
     {"block_n": 128, "num_warps": 4, "num_stages": 4, "tma_weights": false, "persistent": false}}`` (N < 2048).
+    The op's figures with every peer: benchmarks/results/zoo_blocks128_*_h100.json.
 
     NOTE: the tuner's runs on two zoo shapes (``python benchmarks/tune_fused_experts.py --models
     qwen3-next-80b-a3b-tp2 qwen3-235b-a22b-tp4 --tokens 1 8 64 512 2048 8192``, H100, bf16, swigluoai), tuner totals:
