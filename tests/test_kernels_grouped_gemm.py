@@ -436,6 +436,21 @@ def test_empty_hidden_or_intermediate(cfg, K, N):
     assert_close(y, expert_gemm2_reference(a, w2, ids, w2_bias=kw["w2_bias"], topk_weights=g), tolerance(x.dtype))
 
 
+def test_no_experts():
+    """A rank that holds no experts (E = 0, ids over other ranks' experts through an expert_map): every slot is
+    invalid, so the outputs are 0, as the reference gives them."""
+    x, w1, w2, g, ids, kw = _case(20, 3, 4, 16, 16, CASE_DTYPES[0], bias=True)
+    none1, none2 = w1[:0], w2[:0]
+    emap = torch.full((4,), -1, dtype=torch.int32, device=DEVICE)
+    for M in (1, 20):
+        out = fused_experts_triton(x[:M], none1, none2, g[:M], ids[:M], "silu", expert_map=emap)
+        ref = fused_experts_reference(x[:M], none1, none2, g[:M], ids[:M], "silu", expert_map=emap)
+        assert out.shape == (M, 16) and (out == 0).all() and (ref == 0).all()
+    assert (expert_gemm1_triton(x, none1, ids, expert_map=emap) == 0).all()
+    a = torch.randn(20, 3, 16, dtype=x.dtype, device=DEVICE)
+    assert (expert_gemm2_triton(a, none2, ids, expert_map=emap) == 0).all()
+
+
 # ------------------------------------------------------------------------------------------------ configs
 
 ISSUE_SHAPES = [(128, 4, 2880, 2880), (128, 8, 2048, 768), (8, 2, 4096, 14336), (512, 8, 1000, 333),

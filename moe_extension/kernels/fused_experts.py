@@ -487,8 +487,8 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     topk = topk_ids.shape[1]
     dev, dtype = hidden_states.device, hidden_states.dtype
     act = kern.ACTIVATION_CODES[activation]
-    if M == 0 or K == 0:
-        return torch.empty((M, K), dtype=dtype, device=dev)
+    if M == 0 or K == 0 or E == 0:  # E = 0 (a rank without experts): every slot is invalid, the output 0
+        return torch.zeros((M, K), dtype=dtype, device=dev)
     cfg = select_config(M, hidden_states, w1, w2, topk, config, quant, expert_map)
     w_in = topk_weights if apply_router_weight_on_input else None
     w_out = None if apply_router_weight_on_input else topk_weights
@@ -567,7 +567,7 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     topk = topk_ids.shape[1]
     dev, dtype = hidden_states.device, hidden_states.dtype
     h = torch.zeros((M, topk, two_n), dtype=dtype, device=dev)
-    if h.numel() == 0:
+    if h.numel() == 0 or E == 0:
         return h
     cfg = config or get_config(local_tokens(M, E, expert_map, quant), E, two_n // 2, K, topk, dtype, is_row_major(w1.w),
                                True, dev, quant)
@@ -620,7 +620,7 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
     E, K, _ = w2.shape
     dev, dtype = intermediate.device, intermediate.dtype
     y = torch.zeros((M, topk, K), dtype=dtype, device=dev)
-    if y.numel() == 0:
+    if y.numel() == 0 or E == 0:
         return y
     if config is None:
         config = get_config(local_tokens(M, E, expert_map, quant), E, N, K, topk, dtype, True, is_row_major(w2.w), dev,
