@@ -14,6 +14,11 @@ A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2"
 applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
 dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launched with PDL (the
 launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
+``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
+format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
+``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
+bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
+random routing over all E, so most slots are elsewhere); triton_kernels is timed on bf16 weights of all E only.
 ``--activation`` times another activation than the benchmark's swigluoai (triton_kernels is then left out:
 it fuses only swigluoai). ``--op expert_gemm2`` times the unfused
 second GEMM (``expert_gemm2_triton`` on a random [M, topk, N] intermediate, router weights applied; the
@@ -52,12 +57,43 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the table config without programmatic dependent launch")
     p.add_argument("--persistent-pdl", action="store_true",
                    help="also time the table config with the persistent gemm2 launched with PDL")
+    p.add_argument("--direct-pdl", action="store_true",
+                   help="also time the table config with the direct schedule's GEMVs launched with PDL")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
                    help="what to time (default: the whole op)")
+    p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
+                   help="expert weight format (default: bf16 weights)")
+    p.add_argument("--local-experts", type=int, default=None, metavar="L",
+                   help="only the first L of the model's E experts here, through an expert_map")
     args = p.parse_args(argv)
-    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl):
-        p.error("--no-pdl and --persistent-pdl time fused_experts only")
+    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl):
+        p.error("--no-pdl, --persistent-pdl and --direct-pdl time fused_experts only")
+    if args.local_experts is not None and args.local_experts < 1:
+        p.error("--local-experts takes a positive count")
     return args
+
+
+def cell_weights(model: str, quant: str, local: int | None):
+    """(w1, w2, expert_map) of the cell: the model's weights in ``quant`` (the tuner's random stacks, drawn after
+    ``torch.manual_seed(0)``), the first ``local`` experts of them with the map of E ids onto them."""
+    import torch
+    import tune_fused_experts as T
+
+    d = T.MODELS[model]
+    E, K, N = d["E"], d["K"], d["N"]
+    L = E if local is None else min(local, E)
+    torch.manual_seed(0)
+    if quant == "none":
+        w1, w2 = T.make_weights(L, K, N, torch.bfloat16, "linear")
+    elif quant == "fp8_block":
+        w1, w2 = T.make_fp8_weights(L, K, N, "linear")
+    else:
+        w1, w2 = T.make_mxfp4_weights(L, K, N, "linear", quant)
+    expert_map = None
+    if local is not None:
+        expert_map = torch.full((E,), -1, dtype=torch.int32, device=T.DEVICE)
+        expert_map[:L] = torch.arange(L, dtype=torch.int32, device=T.DEVICE)
+    return w1, w2, expert_map
 
 
 def apply(cfg, variant: dict):
@@ -95,31 +131,34 @@ def main(argv=None) -> int:
     import moe_extension.kernels.fused_experts as fe
     from moe_extension.backends import triton_kernels as tk
     from moe_extension.kernels import expert_gemm2_triton, fused_experts_triton
-    from moe_extension.kernels._configs import get_config
 
     if not torch.cuda.is_available():
         print("ab_fused_experts: needs a CUDA device", file=sys.stderr)
         return 2
     d = T.MODELS[args.model]
     E, topk, K, N, M = d["E"], d["topk"], d["K"], d["N"], args.tokens
-    w1, w2, sets = T.cell_inputs(args.model, M, args.sets)
+    w1_ops, w2_ops, expert_map = cell_weights(args.model, args.quant, args.local_experts)
+    w1, w2, quant_args = T.fused_call_args(w1_ops, w2_ops)
+    sets = T.make_sets(E, topk, K, M, torch.bfloat16, args.sets)
     n = len(sets)
-    table = get_config(M, E, N, K, topk, torch.bfloat16, True, True, w1.device)
+    table = fe.select_config(M, sets[0][0], fe.WeightOperand.of(w1_ops), fe.WeightOperand.of(w2_ops), topk, None,
+                             args.quant, expert_map)
     configs = {"table": table}
     configs.update({f"variant {i}": apply(table, json.loads(v)) for i, v in enumerate(args.variant)})
     if args.op == "expert_gemm2":
-        inter = [torch.randn(M, topk, N, dtype=w2.dtype, device=w2.device) for _ in range(n)]
+        inter = [torch.randn(M, topk, N, dtype=torch.bfloat16, device=w2.device) for _ in range(n)]
+        gemm2_args = {k: v for k, v in quant_args.items() if k != "w1_scale"}
 
-        def call(c, i):
-            return expert_gemm2_triton(inter[i % n], w2, sets[i % n][2], topk_weights=sets[i % n][1], config=c)
+        def call(c, i, pdl=True):
+            return expert_gemm2_triton(inter[i % n], w2, sets[i % n][2], topk_weights=sets[i % n][1], config=c,
+                                       expert_map=expert_map, **gemm2_args)
     else:
-        def call(c, i):
+        def call(c, i, pdl=True):
             return fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2], args.activation,
-                                        config=c)
+                                        config=c, expert_map=expert_map, pdl=pdl, **quant_args)
     runs = {name: (lambda i, c=c: call(c, i)) for name, c in configs.items()}
     if args.no_pdl:
-        runs["table, no PDL"] = lambda i: fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
-                                                               args.activation, config=table, pdl=False)
+        runs["table, no PDL"] = lambda i: call(table, i, pdl=False)
     if args.persistent_pdl:
         launch_persistent = fe._gemm2_persistent
 
@@ -133,17 +172,34 @@ def main(argv=None) -> int:
                 fe._gemm2_persistent = launch_persistent
 
         runs["table, persistent gemm2 PDL"] = persistent_pdl
-    if tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts":
+    if args.direct_pdl:
+        launch_gemvs = fe._gemv1, fe._gemv2
+
+        def direct_pdl(i):
+            # both GEMVs launched with PDL, for this call only (captured with the call, as above)
+            on = fe.pdl_capable(sets[0][0].device)
+            fe._gemv1 = lambda *a, pdl=False, **k: launch_gemvs[0](*a, pdl=on, **k)
+            fe._gemv2 = lambda *a, pdl=False, **k: launch_gemvs[1](*a, pdl=on, **k)
+            try:
+                return call(table, i)
+            finally:
+                fe._gemv1, fe._gemv2 = launch_gemvs
+
+        runs["table, direct GEMVs PDL"] = direct_pdl
+    if (tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts" and args.quant == "none"
+            and args.local_experts is None):
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
                                                             T.ACTIVATION)
     what = args.activation if args.op == "fused_experts" else args.op
-    print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {what}  {args.rounds} interleaved rounds")
+    where = "" if args.local_experts is None else f"  {args.local_experts} of {E} experts here"
+    print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {what}  quant={args.quant}{where}  "
+          f"{args.rounds} interleaved rounds")
     ref = runs["table"](0)
     for name, c in configs.items():
         same = torch.equal(runs[name](0), ref)
         print(f"  {name:14s} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}")
-    for name in ("table, no PDL", "table, persistent gemm2 PDL"):
+    for name in ("table, no PDL", "table, persistent gemm2 PDL", "table, direct GEMVs PDL"):
         if name in runs:
             print(f"  {name}  bitwise equal to table: {torch.equal(runs[name](0), ref)}")
     times = {name: [] for name in runs}

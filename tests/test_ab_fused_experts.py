@@ -43,3 +43,28 @@ def test_op_option():
                                      "--persistent-pdl"])
     with pytest.raises(SystemExit):
         ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--op", "expert_gemm1"])
+
+
+def test_quant_local_experts_and_direct_pdl_options():
+    args = ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1"])
+    assert args.quant == "none" and args.local_experts is None and not args.direct_pdl
+    args = ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", "--quant", "fp8_block",
+                                        "--local-experts", "32", "--direct-pdl"])
+    assert args.quant == "fp8_block" and args.local_experts == 32 and args.direct_pdl
+    for bad in (["--quant", "int4"], ["--local-experts", "0"], ["--op", "expert_gemm2", "--direct-pdl"]):
+        with pytest.raises(SystemExit):
+            ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", *bad])
+
+
+def test_cell_weights_of_a_shard(monkeypatch):
+    """--quant / --local-experts: the first L experts' stacks in the format, and the map of the E ids onto them."""
+    import torch
+    import tune_fused_experts as tune
+
+    monkeypatch.setattr(tune, "DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    w1, w2, expert_map = ab_fused_experts.cell_weights("deepseek-v2-lite", "fp8_block", 3)
+    assert (w1.w.shape, w2.w.shape, w1.w.dtype) == ((3, 2816, 2048), (3, 2048, 1408), torch.float8_e4m3fn)
+    assert w1.scale.shape == (3, 22, 16) and w2.scale.shape == (3, 16, 11)
+    assert expert_map.tolist() == [0, 1, 2] + [-1] * 61
+    w1, w2, expert_map = ab_fused_experts.cell_weights("deepseek-v2-lite", "none", None)
+    assert (w1.shape, w2.shape, w1.dtype, expert_map) == ((64, 2816, 2048), (64, 2048, 1408), torch.bfloat16, None)

@@ -20,6 +20,10 @@ sum in ``part``, then increments its output tile's counter in ``cnt`` (int32, ze
 stores come first); the program that brings the counter to the number of programs of the tile (acquire) reads the
 partials back in split (and slot) order and runs the epilogue. Whichever program counts last, the sums are the same:
 bitwise reproducible, no float atomics, no host sync, every size from shapes.
+
+PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
+before it waits for the previous kernel (``_launch.grid_dependency``); the activations, the counters and every store
+come after.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import triton
 import triton.language as tl
 
 from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, gemm1_epilogue, gemm1_weight_rows
+from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
 from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quantize_fp8_groups, scale_rows,
@@ -91,7 +96,7 @@ def gemv1_dot_kernel(
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr,
+    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
     [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
@@ -114,6 +119,7 @@ def gemv1_dot_kernel(
     g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk + zero,
                 mask=zero + router_on_input != 0, other=1.0).to(tl.float32)
     k0 = s * k_per_split
+    grid_dependency(PDL)
     h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, xs_ptr + t.to(tl.int64) * stride_xsm, w_ptr, ws_ptr,
                         expert.to(tl.int64), wr.to(tl.int64), g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT,
@@ -156,7 +162,7 @@ def gemv2_dot_kernel(
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-    LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr, PDL: tl.constexpr,
 ):
     """out of gemm2 (module docstring): nslot = topk (SUM_SLOTS) or 1, SLOTS >= nslot a power of two; ``part``
     [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1. LORA (per pair only):
@@ -182,6 +188,7 @@ def gemv2_dot_kernel(
         first, slot0, group = p, j, p
     arrivals = nslot * SPLIT
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
+    grid_dependency(PDL)
     if valid:
         k0 = s * k_per_split
         h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, as_ptr + p.to(tl.int64) * stride_asp,

@@ -15,14 +15,20 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from moe_extension.kernels._weight_formats import quantize_fp8_groups
 
 
 @triton.jit
 def quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, z_ptr, n_zero, K, stride_xm, stride_xk, stride_qm, stride_sm,
-                             BLOCK_K: tl.constexpr, PTX: tl.constexpr, UE8M0: tl.constexpr, ZERO: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PTX: tl.constexpr, UE8M0: tl.constexpr, ZERO: tl.constexpr,
+                             TRIGGER: tl.constexpr):
     """Row ``program_id(0)``, columns ``program_id(1) * BLOCK_K ..`` (BLOCK_K a multiple of 128); with ZERO the
-    programs share the zeroing of ``z_ptr[:n_zero]``."""
+    programs share the zeroing of ``z_ptr[:n_zero]``. TRIGGER: let a kernel launched after it with programmatic
+    dependent launch start at once (it waits for this one's completion before reading what this one writes)."""
+    if TRIGGER:
+        gdc_launch_dependents()
     if ZERO:
         pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         step = tl.num_programs(0) * tl.num_programs(1) * 1024
@@ -38,10 +44,11 @@ def quantize_fp8_rows_kernel(x_ptr, q_ptr, s_ptr, z_ptr, n_zero, K, stride_xm, s
     tl.store(s_ptr + m * stride_sm + groups, s, mask=groups < tl.cdiv(K, 128))
 
 
-def quantize_fp8_rows(x: torch.Tensor, ue8m0: bool = False,
-                      zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(x: torch.Tensor, ue8m0: bool = False, zero: torch.Tensor | None = None,
+                      trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [M, K] float8_e4m3fn, s [M, ceil(K / 128)] fp32)`` of ``x [M, K]`` (module docstring; ``ue8m0``: the
-    scales rounded up to powers of two; ``zero``: a contiguous int32 tensor set to 0 by the same launch)."""
+    scales rounded up to powers of two; ``zero``: a contiguous int32 tensor set to 0 by the same launch;
+    ``trigger`` (sm_90+): the next kernel, if launched with programmatic dependent launch, may start at once)."""
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M, triton.cdiv(K, 128)), dtype=torch.float32, device=x.device)
@@ -53,6 +60,6 @@ def quantize_fp8_rows(x: torch.Tensor, ue8m0: bool = False,
     quantize_fp8_rows_kernel[(M, triton.cdiv(K, block_k))](
         x, q, s, zero if zero is not None else s, zero.numel() if zero is not None else 0, K, x.stride(0),
         x.stride(1), q.stride(0), s.stride(0), BLOCK_K=block_k, PTX=x.device.type == "cuda", UE8M0=ue8m0,
-        ZERO=zero is not None, num_warps=4,
+        ZERO=zero is not None, TRIGGER=trigger, num_warps=4,
     )
     return q, s

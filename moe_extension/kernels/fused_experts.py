@@ -26,8 +26,8 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
 No float atomics anywhere: results are bitwise reproducible.
 
 On sm_90+ every kernel of the sorted schedule is launched with programmatic dependent launch (PDL; the
-direct schedule's two GEMVs are not, see the NOTE): a kernel's programs may start while its predecessor
-drains; each waits for the predecessor's completion (``griddepcontrol.wait``) before
+direct schedule's two GEMVs only for fp8 block, after the quantization kernel, see the NOTE): a kernel's programs
+may start while its predecessor drains; each waits for the predecessor's completion (``griddepcontrol.wait``) before
 it touches memory, then lets its own successor launch. gemm2 of the fused path is the exception: it starts
 a tile as soon as gemm1 has finished all the tiles of that tile's expert (gemm1 counts its finished tiles
 per expert in ``Routing.tiles_done`` with a release increment; gemm2 acquires the count, and waits for
@@ -41,7 +41,13 @@ interleaved rounds, us (benchmarks/results/ab_pdl_h100.txt: ``python benchmarks/
 --tokens M --no-pdl``): qwen3 M = 64 410.0 against 417.4, M = 1024 488.2 against 496.4; mixtral M = 256 1029.5
 against 1035.3; gpt-oss M = 16 854.4 against 867.0, M = 4096 2551.5 against 2587.1; inside the spread at the
 power-capped qwen3 and mixtral M = 4096 cells. The direct schedule's GEMVs launch without it: with it gpt-oss
-M = 1 took 72.7 us against 71.2 and mixtral M = 1 235.0 against 231.9 (same file).
+M = 1 took 72.7 us against 71.2 and mixtral M = 1 235.0 against 231.9 (same file). fp8 block is the exception:
+its quantization kernel lets the next launch start at once, and with both GEMVs launched with PDL the DeepSeek-V3
+layer took 130.9 us against 133.1 at M = 1, its shard of 32 of 256 experts 20.0 against 20.5 at M = 1 and 63.6
+against 65.3 at M = 4; MXFP4 in the MMA layout (its GEMVs after a zero fill) took 38.7 against 36.8 with PDL at
+gpt-oss-120b M = 1, 108.5 against 109.1 at M = 4 (benchmarks/results/ab_direct_pdl_h100.txt: ``python
+benchmarks/ab_fused_experts.py --model deepseek-v3 --quant fp8_block [--local-experts 32] --tokens M --activation
+silu --no-pdl``; ``--model gpt-oss-120b --quant mxfp4_mma --tokens M --direct-pdl``).
 """
 
 from __future__ import annotations
@@ -355,13 +361,14 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
 
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
            lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None,
-           x_scale: torch.Tensor | None = None):
+           x_scale: torch.Tensor | None = None, pdl: bool = False):
     """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``):
     ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
     the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``). fp8 block: x quantized up front
     (``quantize_fp8_rows``) unless the router weights scale it (``weights``: g x is quantized per pair, per step);
     ``out_scale`` [P, cdiv(n_out, 128)] (cfg.block_n a multiple of 128): out is e4m3 and the rows are stored
-    quantized, these their scales. ``x_scale``: x is e4m3 already, these its scales (``quantize_fp8_rows``)."""
+    quantized, these their scales. ``x_scale``: x is e4m3 already, these its scales (``quantize_fp8_rows``).
+    ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
@@ -393,8 +400,8 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             float(limit), *lora_args,
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
-            G_ON_A=weights is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            A_Q=x_scale is not None, Q_OUT=out_scale is not None, **lora_flags,
+            G_ON_A=weights is not None, A_Q=x_scale is not None, Q_OUT=out_scale is not None, **lora_flags,
+            **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
     grid = (triton.cdiv(n_out, cfg.block_n), M * topk)
@@ -412,10 +419,11 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
 
 
 def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, counters=None,
-           lora: FusedExpand | None = None, a_scale: torch.Tensor | None = None):
+           lora: FusedExpand | None = None, a_scale: torch.Tensor | None = None, pdl: bool = False):
     """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]. ``counters`` and ``lora``
     (not with sum_slots): as in ``_gemv1`` (``_gemv2_dot_counters``). fp8 block: ``a`` e4m3 with ``a_scale``
-    [M * topk, cdiv(N, 128)] its scales (gemv1's quantized output), or quantized here (``quantize_fp8_rows``)."""
+    [M * topk, cdiv(N, 128)] its scales (gemv1's quantized output), or quantized here (``quantize_fp8_rows``).
+    ``pdl``: as in ``_gemv1``."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
@@ -446,7 +454,8 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
             topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), _stride(a_scale, 0), *lora_args,
             SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, A_Q=a_scale is not None, **lora_flags,
+            A_Q=a_scale is not None, **lora_flags,
+            **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
     # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
@@ -507,13 +516,15 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                 c1 = torch.empty((max(1, n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True)),),
                                  dtype=torch.int32, device=dev)
                 if fp8 and w_in is None:
-                    x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0, zero=c1)
+                    x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0, zero=c1, trigger=pdl)
                 else:
                     c1.zero_()
                 c2 = c1[n1:] if c1.numel() > n1 else c1
+            # With PDL only after the quantization, which lets gemv1 launch at once (see the NOTE in the docstring).
+            dot_pdl = pdl and fp8 and w_in is None
             _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit, cfg.gemm1, c1,
-                   out_scale=a_scale, x_scale=x_scale)
-            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale)
+                   out_scale=a_scale, x_scale=x_scale, pdl=dot_pdl)
+            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale, pdl=dot_pdl)
             return out
         x, x_scale, a_scale = hidden_states, None, None
         if fp8 and w_in is None and not gathers_rows(hidden_states, cfg.gemm1, quantize=True):
