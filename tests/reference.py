@@ -367,10 +367,14 @@ def random_expert_map(num_global: int, num_local: int, device="cpu") -> torch.Te
 
 def tolerance(dtype: torch.dtype, device="cpu", quant: str = "none") -> float:
     """rel_err tolerance against the fp64 reference: one rounding of the output (fp16/bf16); in fp32, the
-    Triton kernels (CUDA, quant none) may use TF32 GEMMs, the PyTorch implementation (CPU, or any device
-    for the quantized formats) is fp32 throughout."""
+    Triton kernels (CUDA, quant none) may use TF32 GEMMs, and their fp8 block products (CUDA) are summed by
+    the tensor cores, whose fp8 MMA keeps fewer bits than fp32 within each 128-column block (1.1e-4 to 1.2e-4
+    measured on the H100 in tests/test_expert_gemm.py's M = 1 cases, hence 1e-3); the PyTorch implementation
+    (CPU, or any device for the other quantized formats) is fp32 throughout."""
     if dtype == torch.float32:
-        return 5e-3 if torch.device(device).type == "cuda" and quant == "none" else 1e-5
+        if torch.device(device).type == "cuda" and quant in ("none", "fp8_block"):
+            return 5e-3 if quant == "none" else 1e-3
+        return 1e-5
     return 2e-3 if dtype == torch.float16 else 1e-2
 
 
