@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from moe_extension.kernels._weight_formats import quantize_fp8_groups
