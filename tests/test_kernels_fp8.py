@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 import moe_extension.kernels._configs as configs
+import moe_extension.kernels.fused_experts as fe
 from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
 from moe_extension.kernels._configs import GemmConfig, MoeConfig
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
@@ -325,6 +326,50 @@ def test_empty_hidden_or_intermediate(name, K, N):
     assert out.shape == (M, K) and out.isfinite().all() and rel_err(out, ref) <= TOLS[torch.float32]
 
 
+@interpreted
+@pytest.mark.parametrize("quant,on_input,want", [("fp8_block", False, True), ("fp8_block", True, False),
+                                                 ("mxfp4_mma", False, False)])
+def test_direct_schedule_pdl_rule(monkeypatch, quant, on_input, want):
+    """Where the device has PDL, the direct schedule launches both GEMVs with it only for fp8 block after the
+    quantization kernel (which then triggers its successor at once); on the input (a zero fill instead) and the
+    MXFP4 MMA layout keep stream order (the NOTE in kernels/fused_experts.py). The interpreter runs no PDL: the
+    launchers are wrapped to record the choice and launch without it."""
+    from moe_extension.quant import quantize_mxfp4
+    from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
+
+    seen = {}
+    gemv1, gemv2, quantize = fe._gemv1, fe._gemv2, fe.quantize_fp8_rows
+
+    def record(name, launch):
+        def wrapped(*args, pdl=False, **kwargs):
+            seen[name] = pdl
+            return launch(*args, pdl=False, **kwargs)
+        return wrapped
+
+    def quantize_recorded(*args, trigger=False, **kwargs):
+        seen["trigger"] = trigger
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(fe, "pdl_capable", lambda device: True)
+    monkeypatch.setattr(fe, "_gemv1", record("gemv1", gemv1))
+    monkeypatch.setattr(fe, "_gemv2", record("gemv2", gemv2))
+    monkeypatch.setattr(fe, "quantize_fp8_rows", quantize_recorded)
+    E, K, N = 4, 256, 128
+    g, ids, _ = routing(1, 2, E, seed=3)
+    x = torch.randn(1, K)
+    if quant == "fp8_block":
+        w1, s1, w2, s2, _, _ = fp8_experts(E, K, N, seed=3)
+    else:
+        gen = torch.Generator().manual_seed(3)
+        (w1, s1), (w2, s2) = (prepare_mxfp4_mma(*quantize_mxfp4(torch.randn(E, r, c, generator=gen) / c ** 0.5))
+                              for r, c in ((2 * N, K), (K, N)))
+        x = x.half()
+    kw = dict(quant=quant, w1_scale=s1, w2_scale=s2, apply_router_weight_on_input=on_input)
+    out = fused_experts_triton(x, w1, w2, g, ids, "silu", **kw)  # M = 1: the direct schedule
+    assert seen["gemv1"] is want and seen["gemv2"] is want and seen.get("trigger", False) is want
+    assert rel_err(out, fused_experts_torch(x, w1, w2, g, ids, "silu", **kw)) <= TOLS[x.dtype]
+
+
 # ------------------------------------------------------------------------------------------------- configs
 
 
@@ -377,8 +422,6 @@ def test_tma_paths_equal_pointer_loads(monkeypatch, name, act, K, N, ue8m0):
     token rows into sorted order quantized (``gather_rows_kernel`` with Q: per-sorted-row scales) and loads gemm2's
     quantized intermediate by TMA (sm_90+; in the interpreter, forced on): the outputs equal the pointer loads'
     bitwise (the same quantized values, the same products in the same order), and the paths are really taken."""
-    import moe_extension.kernels.fused_experts as fe
-
     monkeypatch.setattr(fe, "tma_capable", lambda device: True)
     E, topk, M = 5, 3, 24
     base = CONFIGS[name]
