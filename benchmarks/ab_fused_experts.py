@@ -14,6 +14,7 @@ A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2"
 applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
 dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launched with PDL (the
 launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
+``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
@@ -57,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the table config without programmatic dependent launch")
     p.add_argument("--persistent-pdl", action="store_true",
                    help="also time the table config with the persistent gemm2 launched with PDL")
+    p.add_argument("--other-schedule", action="store_true",
+                   help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
@@ -145,6 +148,14 @@ def main(argv=None) -> int:
                              args.quant, expert_map)
     configs = {"table": table}
     configs.update({f"variant {i}": apply(table, json.loads(v)) for i, v in enumerate(args.variant)})
+    if args.other_schedule:
+        from moe_extension.kernels._configs import heuristic_config, sanitize
+
+        lt = fe.local_tokens(M, w1.shape[0], expert_map, args.quant)
+        other = heuristic_config(lt, w1.shape[0], N, K, topk, torch.bfloat16, True, True,
+                                 torch.cuda.get_device_properties(0).multi_processor_count, args.quant,
+                                 path="sorted" if table.path == "direct" else "direct")
+        configs["other schedule"] = sanitize(other, torch.bfloat16, N, K, topk, args.quant)
     if args.op == "expert_gemm2":
         inter = [torch.randn(M, topk, N, dtype=torch.bfloat16, device=w2.device) for _ in range(n)]
         gemm2_args = {k: v for k, v in quant_args.items() if k != "w1_scale"}
@@ -197,7 +208,7 @@ def main(argv=None) -> int:
     ref = runs["table"](0)
     for name, c in configs.items():
         same = torch.equal(runs[name](0), ref)
-        print(f"  {name:14s} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
+        print(f"  {name:14s} {c.path} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}")
     for name in ("table, no PDL", "table, persistent gemm2 PDL", "table, direct GEMVs PDL"):
         if name in runs:

@@ -64,6 +64,12 @@ MXFP4_MODELS = {
     "gpt-oss-120b": dict(E=128, topk=4, K=2880, N=2880),
     "gpt-oss-20b": dict(E=32, topk=4, K=2880, N=2880),
 }
+# --quant mxfp4 --models ...: tensor-parallel shards of gpt-oss-120b (not in the default run), N = 2880 / TP
+# padded up to a multiple of 64 (the MMA layout's columns; 720 -> 768, 360 -> 384)
+MXFP4_SHARDS = {
+    "gpt-oss-120b-tp4": dict(E=128, topk=4, K=2880, N=768),
+    "gpt-oss-120b-tp8": dict(E=128, topk=4, K=2880, N=384),
+}
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 ACTIVATION = "swigluoai"
 TOLERANCE = 1e-2
@@ -88,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quant", choices=("none", "mxfp4"), default="none",
                    help="expert weight format: 'none' = bf16 weights, the three models; 'mxfp4' = MXFP4 weights, "
                         "the gpt-oss models, columns ours / triton_kernels / ours_bf16 (default: %(default)s)")
-    p.add_argument("--models", nargs="+", choices=list(dict.fromkeys([*MODELS, *MXFP4_MODELS])), default=None,
+    p.add_argument("--models", nargs="+", choices=list(dict.fromkeys([*MODELS, *MXFP4_MODELS, *MXFP4_SHARDS])),
+                   default=None,
                    help=f"models to run (default: all of the quant's: {', '.join(MODELS)} for none; "
                         f"{', '.join(MXFP4_MODELS)} for mxfp4)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
@@ -110,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     table = MXFP4_MODELS if args.quant == "mxfp4" else MODELS
     if args.models is None:
         args.models = list(table)
+    if args.quant == "mxfp4":
+        table = {**table, **MXFP4_SHARDS}
     wrong = [m for m in args.models if m not in table]
     if wrong:
         p.error(f"--quant {args.quant} runs {', '.join(table)}; not {', '.join(wrong)}")
@@ -282,7 +291,7 @@ def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> in
 
     rows = []
     for model in args.models:
-        shape = MXFP4_MODELS[model]
+        shape = {**MXFP4_MODELS, **MXFP4_SHARDS}[model]
         e, k, n = shape["E"], shape["K"], shape["N"]
         w = make_mxfp4_weights(torch, e, k, n, args.weight_layout, with_bf16="ours_bf16" not in unavailable)
         biases = {"w1_bias": None, "w2_bias": None}

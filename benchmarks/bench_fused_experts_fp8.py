@@ -42,6 +42,18 @@ SHAPES = {
     "deepseek-v3-ep32": dict(E=256, topk=8, K=7168, N=2048, local=32),
 }
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
+# ``--zoo``: other shapes that ship fp8 128 x 128 block weights (read off the models' published configs: hidden size
+# K, moe_intermediate_size / tensor-parallel degree N, routed experts, experts per token; ``local`` experts of an
+# expert-parallel rank), at the zoo's token counts. Not the issue's benchmark: a check that the heuristic and kernels
+# hold on shapes no table entry was tuned for.
+ZOO_SHAPES = {
+    "qwen3-30b-a3b": dict(E=128, topk=8, K=2048, N=768, local=128),  # Qwen/Qwen3-30B-A3B-FP8
+    "qwen3-235b-a22b-tp4": dict(E=128, topk=8, K=4096, N=384, local=128),  # Qwen/Qwen3-235B-A22B-FP8, TP 4
+    "qwen3-next-80b-a3b-tp2": dict(E=512, topk=10, K=2048, N=256, local=512),  # Qwen3-Next-80B-A3B-*-FP8, TP 2
+    "deepseek-v3-tp16": dict(E=256, topk=8, K=7168, N=128, local=256),  # DeepSeek-V3 on two 8-GPU nodes, TP 16
+    "kimi-k2-ep8": dict(E=384, topk=8, K=7168, N=2048, local=48),  # moonshotai/Kimi-K2-Instruct, EP 8
+}
+ZOO_TOKENS = (1, 8, 64, 512, 2048, 8192)
 ACTIVATION = "silu"
 TOLERANCE = 1e-2
 # The DeepGEMM route and vLLM write the first GEMM's output in bf16 and quantize that for the second (DeepGEMM's
@@ -58,15 +70,26 @@ DEVICE = "cuda"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="token counts M (default: %(default)s)")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES) + list(ZOO_SHAPES), default=None,
+                   help=f"default: {' '.join(SHAPES)}; with --zoo {' '.join(ZOO_SHAPES)}")
+    p.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help=f"token counts M (default: {' '.join(map(str, TOKENS))}; with --zoo "
+                        f"{' '.join(map(str, ZOO_TOKENS))})")
+    p.add_argument("--zoo", action="store_true",
+                   help="the shapes of ZOO_SHAPES (other fp8 block models) instead; writes "
+                        "fused_experts_fp8_zoo_<gpu>.json")
     p.add_argument("--out", default=str(BENCH_DIR / "results"), help="directory for the JSON (default: %(default)s)")
     p.add_argument("--skip-peers", action="store_true", help="time ours_auto and ours_triton only")
     p.add_argument("--gemm1", action="store_true",
                    help="also time our first GEMM alone (expert_gemm1, backend Triton) on the full layer at the "
                         "largest M, in TFLOP/s")
     p.add_argument("--vllm-deps", default=".deps/vllm", help="where get_peers.sh vllm put the kernel and configs")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.shapes is None:
+        args.shapes = list(ZOO_SHAPES if args.zoo else SHAPES)
+    if args.tokens is None:
+        args.tokens = list(ZOO_TOKENS if args.zoo else TOKENS)
+    return args
 
 
 def fp8_gemm_peak(torch, harness, n: int = 8192) -> float:
@@ -116,7 +139,7 @@ def main(argv=None) -> int:
 
     rows, gemm1 = [], None
     for shape_name in args.shapes:
-        shape = SHAPES[shape_name]
+        shape = {**SHAPES, **ZOO_SHAPES}[shape_name]
         E, topk, K, N, local = shape["E"], shape["topk"], shape["K"], shape["N"], shape["local"]
         w1, s1 = harness.random_fp8_block_stack(local, 2 * N, K, DEVICE)
         w2, s2 = harness.random_fp8_block_stack(local, K, N, DEVICE)
@@ -159,7 +182,8 @@ def main(argv=None) -> int:
     summary = summarize(rows, gemm1)
     print_table(rows, summary)
     payload = dict(info, copy_GBps=copy_bw / 1e9, fp8_gemm_TFLOPs=peak / 1e12, activation=ACTIVATION,
-                   quant="fp8_block", shapes=SHAPES, unavailable=unavailable,
+                   quant="fp8_block", shapes={n: {**SHAPES, **ZOO_SHAPES}[n] for n in args.shapes},
+                   unavailable=unavailable,
                    dtype="bf16 hidden states; fp8 e4m3 weights with fp32 128 x 128 block scales (random)",
                    columns={
                        "ours_auto": "torch.ops.moe_ext.fused_experts(..., quant='fp8_block'), default backend",
@@ -174,7 +198,8 @@ def main(argv=None) -> int:
                    floor="max(bytes / copy_BW, flops / fp8 GEMM peak); bytes = fp8 weights + block scales of the "
                          "local experts hit + x + out; flops over the pairs routed to local experts",
                    gemm1=gemm1, summary=summary, rows=rows)
-    path = harness.write_json(f"fused_experts_fp8_{harness.gpu_slug()}.json", payload, args.out)
+    stem = "fused_experts_fp8_zoo" if args.zoo else "fused_experts_fp8"
+    path = harness.write_json(f"{stem}_{harness.gpu_slug()}.json", payload, args.out)
     print(f"wrote {path}")
     return 0
 
@@ -223,7 +248,7 @@ def run_cell(torch, harness, rel_err, describe, impls, unavailable, shape_name, 
             row["failures"][name] = describe(exc)
         torch.cuda.synchronize()
     cells = "  ".join(f"{n} {_ratio(row, n)}" for n in IMPLS)
-    print(f"{shape_name:<17} M={m:<5} floor {row['floor_us']:8.1f} us  {cells}")
+    print(f"{shape_name:<22} M={m:<5} floor {row['floor_us']:8.1f} us  {cells}")
     for name, failure in row["failures"].items():
         print(f"    {name}: {failure}")
     return row
@@ -269,9 +294,9 @@ def summarize(rows, gemm1) -> dict:
 def print_table(rows, s) -> None:
     print()
     print(f"µs per call (ratio to floor); fp8 block weights, bf16 activations, {ACTIVATION}; routing included")
-    print(f"{'shape':<17} {'M':>5} {'floor':>9} " + " ".join(f"{n:>16}" for n in IMPLS))
+    print(f"{'shape':<22} {'M':>5} {'floor':>9} " + " ".join(f"{n:>16}" for n in IMPLS))
     for r in rows:
-        print(f"{r['shape']:<17} {r['M']:>5} {r['floor_us']:9.1f} " + " ".join(f"{_ratio(r, n):>16}" for n in IMPLS))
+        print(f"{r['shape']:<22} {r['M']:>5} {r['floor_us']:9.1f} " + " ".join(f"{_ratio(r, n):>16}" for n in IMPLS))
     print(f"\nours_auto <= every timed peer: {s['ours_auto_le_every_peer']} of {s['ours_auto_timed']} cells")
     small = s["max_small_m_ours_auto_over_floor"]
     print(f"max ours_auto / floor at M <= {SMALL_M}: {'n/a' if small is None else f'{small:.3f}'} "

@@ -7,7 +7,8 @@ routings (every token picks topk distinct experts, ``torch.rand(M, E).topk``), b
   second-GEMM (+ slot sum) candidate on their own (each with pointer and with TMA loads; the first GEMM
   also with TMA weight tiles and pointer-gathered token rows), keeping the fastest of each, then the
   winner's tail tile heights (``tail_m``) and the winner in expert-major tile order (``group_m`` 0), and
-  a second GEMM with TMA rows also as a persistent kernel (``persistent``); the best ``block_m`` by the sum
+  a second GEMM with TMA rows also as a persistent kernel (``persistent``), at blocks of 128 rows and more the
+  second GEMM's winner in row tiles of half the block on 4 warps (``tile_m``); the best ``block_m`` by the sum
   of the three;
 - the direct path (tiny M only): each GEMV candidate of both GEMMs;
 then times the best of each path end to end through ``fused_experts_triton`` and keeps the faster. The
@@ -312,7 +313,7 @@ def fastest(time_fn, candidates, block_m: int):
 def tile_name(g) -> str:
     return (f"{g.block_n:3d}x{g.block_k:3d} w{g.num_warps} s{g.num_stages} g{g.group_m} split{g.split_k}"
             f"{' tma' if g.tma_weights else ''}{' tmaA' if g.tma_a else ''}{f' tail{g.tail_m}' if g.tail_m else ''}"
-            f"{' persistent' if g.persistent else ''}")
+            f"{' persistent' if g.persistent else ''}{f' rows{g.tile_m}' if g.tile_m else ''}")
 
 
 def direct_candidates(heuristic, quant: str = "none"):
@@ -525,6 +526,11 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
             g = dataclasses.replace(g2_best[1], persistent=True)
             g = sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm2
             g2_best = min(g2_best, (time_g2(g), g), key=lambda x: x[0])
+        if bm >= 128 and quant in ("none", "fp8_block") and g2_best[1] is not None and not g2_best[1].persistent:
+            # the winner in row tiles of half the block on 4 warps (tile_m: two programs per block)
+            g = dataclasses.replace(g2_best[1], tile_m=bm // 2, num_warps=4)
+            g = sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K, 1, quant).gemm2
+            g2_best = min(g2_best, (time_g2(g), g), key=lambda x: x[0])
         total = t_route + g1_best[0] + g2_best[0]
         print(f"    bm {bm:3d}: route {t_route:.1f} + gemm1 {g1_best[0]:.1f} + gemm2/sum {g2_best[0]:.1f} "
               f"= {total:.1f} us")
@@ -581,7 +587,7 @@ def tune_cell(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row):
     dtype, device = sets[0][0].dtype, sets[0][0].device
     n = len(sets)
     finalists = []
-    if use_direct(M, E, topk) or M <= 4:
+    if use_direct(M, E, topk, N, K, quant) or M <= 4:
         d = tune_direct(w1, w2, sets, E, topk, K, N, M, act, w1_row, w2_row)
         if d:
             finalists.append(d[1])

@@ -167,6 +167,8 @@ SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(128, 128, 4, 2, group_m=0),
                          GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
 # 128-row blocks (N a multiple of 128: one weight scale per 128-row part of a tile), 64-row tail tiles.
 SORTED_128 = MoeConfig("sorted", 128, GemmConfig(128, 128, 8, 2, tail_m=64), GemmConfig(128, 128, 8, 2))
+# gemm2 in 16-row tiles of the 32-row blocks (tile_m): two programs per block.
+SORTED_ROWS = MoeConfig("sorted", 32, GemmConfig(128, 128, 4, 2), GemmConfig(128, 128, 4, 2, tile_m=16))
 # The direct tensor-core GEMVs (``_gemv_dot``): gemm1 tiles of 128 output columns (its epilogue quantizes them for
 # gemm2), 64-row gemm2 tiles, whole reductions; and both reductions split in two (partials summed by the program
 # that counts last).
@@ -174,7 +176,7 @@ DIRECT = MoeConfig("direct", 0, GemmConfig(128, 128, 4, 2, group_m=0), GemmConfi
 DIRECT_SPLIT = MoeConfig("direct", 0, GemmConfig(128, 128, 4, 2, group_m=0, split_k=2),
                          GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
 CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "sorted_128": SORTED_128,
-           "direct": DIRECT, "direct_split": DIRECT_SPLIT}
+           "sorted_rows": SORTED_ROWS, "direct": DIRECT, "direct_split": DIRECT_SPLIT}
 
 
 def checked_config(name, dtype, N, K, topk) -> MoeConfig:
@@ -197,6 +199,7 @@ FUSED_CASES = [
                                                                           on_input=True)),
     ("sorted_128", "silu", torch.float16, 150, 2, 3, 200, 256, dict(bias=True)),
     ("sorted_128", "swigluoai", torch.float32, 130, 2, 3, 256, 128, dict(on_input=True, emap=True)),
+    ("sorted_rows", "silu", torch.float16, 40, 3, 4, 200, 256, dict(bias=True, emap=True)),
     ("direct", "silu", torch.float16, 1, 3, 8, 200, 160, dict(bias=True, emap=True)),
     ("direct", "swigluoai", torch.float32, 3, 4, 9, 256, 96, dict(bias=True, transposed=True, on_input=True)),
     ("direct", "gelu", torch.float16, 4, 2, 6, 300, 130, dict(bias=True)),
@@ -388,11 +391,38 @@ def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
         assert not g.persistent
         if cfg.path == "sorted":
             assert g.block_k == 128 and g.block_n % 128 == 0
-            assert g.num_stages * (cfg.block_m * a_esize + mult * g.block_n) * g.block_k <= configs.SMEM_BUDGET
+            rows = g.tile_m or cfg.block_m  # gemm2's row tiles (tile_m) or the block
+            assert g.num_stages * (rows * a_esize + mult * g.block_n) * g.block_k <= configs.SMEM_BUDGET
         else:  # the tensor-core GEMVs: 64 to 256 weight rows (a warpgroup's MMA takes 64)
             assert g.block_k == 128 and 64 <= mult * g.block_n <= 256
-    assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
+    assert cfg.path == ("direct" if configs.use_direct(M, E, topk, N, K, "fp8_block") else "sorted")
     assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg
+
+
+def test_fp8_direct_schedule_rule():
+    """fp8 block runs the direct schedule beyond the 16-bit weights' rule (P * 8 <= E) while 2 P <= E and the
+    expected repeated expert reads (pairs that share an expert) stay within FP8_DIRECT_REPEAT_BYTES; ``path``
+    forces either schedule in the heuristic."""
+    assert configs.use_direct(8, 512, 10, 256, 2048, "fp8_block") and not configs.use_direct(8, 512, 10)
+    assert configs.use_direct(8, 128, 8, 768, 2048, "fp8_block")
+    assert not configs.use_direct(16, 256, 8, 128, 7168, "fp8_block")  # 2 P <= E, but ~75 MB of repeats
+    assert not configs.use_direct(16, 128, 8, 768, 2048, "fp8_block")  # 2 P > E
+    assert configs.use_direct(4, 256, 8, 2048, 7168, "fp8_block")  # the 16-bit rule holds
+    assert not configs.use_direct(8, 128, 8, 768, 2048, "mxfp4_mma")  # fp8 block only
+    for M, path in ((16, "direct"), (1, "sorted")):
+        cfg = configs.heuristic_config(M, 128, 768, 2048, 8, torch.bfloat16, True, True, quant="fp8_block", path=path)
+        assert cfg.path == path
+
+
+@pytest.mark.parametrize("N,rows", [(512, 64), (768, 64), (1024, 64), (2048, 0), (1000, 0)])
+def test_fp8_heuristic_gemm2_row_tiles(N, rows):
+    """Blocks of 128 rows with a short second reduction (N <= 1024): gemm2 in 64-row tiles on 4 warps; longer
+    reductions (and N not a multiple of 128, whose blocks hold 64 rows) keep whole-block tiles."""
+    cfg = configs.heuristic_config(8192, 256, N, 7168, 8, torch.bfloat16, True, True, quant="fp8_block")
+    cfg = configs.sanitize(cfg, torch.bfloat16, N, 7168, 8, quant="fp8_block")
+    assert cfg.gemm2.tile_m == rows
+    assert cfg.block_m == (128 if N % 128 == 0 else 64) and cfg.gemm2.num_warps == (4 if rows else 8 if N % 128 == 0
+                                                                                     else 4)
 
 
 def test_sanitize_fp8_fixes_tiles():
@@ -416,7 +446,8 @@ def test_sanitize_fp8_fixes_tiles():
 @pytest.mark.parametrize("name,act,K,N,ue8m0", [("sorted", "silu", 256, 256, False),
                                                 ("sorted_tail", "swigluoai", 384, 128, False),
                                                 ("sorted_split", "gelu", 256, 384, False),
-                                                ("sorted", "swigluoai", 256, 128, True)])
+                                                ("sorted", "swigluoai", 256, 128, True),
+                                                ("sorted_rows", "silu", 256, 256, False)])
 def test_tma_paths_equal_pointer_loads(monkeypatch, name, act, K, N, ue8m0):
     """tma_weights=True loads the e4m3 weight tiles through TMA descriptors (``dot_tile``), tma_a=True gathers gemm1's
     token rows into sorted order quantized (``gather_rows_kernel`` with Q: per-sorted-row scales) and loads gemm2's

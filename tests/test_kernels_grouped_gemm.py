@@ -46,8 +46,11 @@ SORTED = MoeConfig("sorted", 16, GemmConfig(16, 16, 4, 2), GemmConfig(16, 16, 4,
 SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(32, 16, 4, 2, group_m=0),
                          GemmConfig(16, 16, 4, 2, group_m=0, split_k=2))
 SORTED_BM32 = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2))
+# gemm2 in 16-row tiles of the 32-row blocks (tile_m): two programs per block.
+SORTED_ROWS = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2, tile_m=16))
 DIRECT = MoeConfig("direct", 0, GemmConfig(8, 16, 4, 2), GemmConfig(4, 32, 4, 2))
-CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "direct": DIRECT}
+CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "sorted_rows": SORTED_ROWS,
+           "direct": DIRECT}
 
 
 def _case(M, topk, E, K, N, dtype, *, bias=False, emap=False, on_input=False, transposed=False, invalid=0.15,
@@ -72,6 +75,7 @@ FUSED_CASES = [
     ("sorted", "swiglustep", 0, 3, 6, 8, 24, 16, dict(on_input=True)),
     ("sorted_split", "silu", 1, 33, 2, 3, 32, 40, dict(bias=True, transposed=True)),  # 2 blocks per expert
     ("sorted_bm32", "swigluoai", 0, 11, 3, 4, 40, 24, dict(bias=True)),
+    ("sorted_rows", "silu", 1, 29, 3, 4, 40, 24, dict(bias=True, emap=True, on_input=True)),  # 1-2 blocks per expert
     ("direct", "silu", 0, 1, 3, 6, 40, 24, dict(bias=True)),
     ("direct", "swigluoai", 1, 2, 4, 9, 48, 16, dict(bias=True, on_input=True, emap=True)),
     ("direct", "gelu", 0, 1, 2, 4, 24, 40, dict(transposed=True)),
@@ -214,6 +218,37 @@ def test_tail_tiles(monkeypatch, act, tma):
                                config=cfg)
     ref = fused_experts_reference(x, ex["w1"], ex["w2"], g, ids, act, w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"])
     assert_close(out, ref, tolerance(dtype, DEVICE))
+
+
+@pytest.mark.parametrize("tma,tail_m", [(False, 0), (True, 0), (False, 16)])
+def test_gemm2_row_tiles(monkeypatch, tma, tail_m):
+    """gemm2.tile_m: each block of block_m rows runs as block_m / tile_m programs of tile_m rows (with tma_a, the
+    sorted rows come through tile_m-row descriptors; with tail_m, partial tiles run tail tiles), tiles of padding
+    rows only exit at once. The routing has full, partial and one-row blocks; the fused op and the unfused
+    expert_gemm2 match the reference and the whole-block tiles, every output written (poisoned outputs)."""
+    if tma:
+        _use_tma(monkeypatch)
+    dtype = CASE_DTYPES[1]
+    bm = 64
+    torch.manual_seed(11)
+    g, ids, E = _tail_routing(bm)
+    g, ids = g.to(DEVICE), ids.to(DEVICE)
+    ex = random_experts(E, 48, 40, dtype=dtype, device=DEVICE, bias=True)
+    x = torch.randn(ids.shape[0], 48, dtype=dtype, device=DEVICE)
+    whole = MoeConfig("sorted", bm, GemmConfig(16, 16, 4, 2), GemmConfig(16, 16, 4, 2, tma_a=tma, tail_m=tail_m))
+    rows = dataclasses.replace(whole, gemm2=dataclasses.replace(whole.gemm2, tile_m=32))
+    assert configs.sanitize(rows, dtype, 40, 48) == rows
+    kw = dict(w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"])
+    monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
+    out = fused_experts_triton(x, ex["w1"], ex["w2"], g, ids, "silu", config=rows, **kw)
+    ref = fused_experts_reference(x, ex["w1"], ex["w2"], g, ids, "silu", **kw)
+    assert_close(out, ref, tolerance(dtype, DEVICE))
+    assert_close(out, fused_experts_triton(x, ex["w1"], ex["w2"], g, ids, "silu", config=whole, **kw).cpu(),
+                 tolerance(dtype, DEVICE))
+    a = torch.randn(ids.shape[0], 1, 40, dtype=dtype, device=DEVICE)
+    y = expert_gemm2_triton(a, ex["w2"], ids, w2_bias=ex["w2_bias"], topk_weights=g, config=rows)
+    assert_close(y, expert_gemm2_reference(a, ex["w2"], ids, w2_bias=ex["w2_bias"], topk_weights=g),
+                 tolerance(dtype, DEVICE))
 
 
 class _PoisonedAllocations:
@@ -494,6 +529,26 @@ def test_sanitize_clamps():
     assert cfg.gemm1.num_warps == 4 and cfg.gemm1.num_stages == 2
     assert cfg.gemm2.block_n == 16 and cfg.gemm2.block_k == 16 and cfg.gemm2.split_k == 3
     assert cfg.gemm2.num_stages == 6
+
+
+def test_sanitize_gemm2_row_tiles():
+    """gemm2.tile_m: a power of two in [16, block_m / 2] or 0 (the block), super-grouped order (group_m >= 1),
+    tails within the tile; 0 with the persistent gemm2, in gemm1, and for MXFP4."""
+    base = MoeConfig("sorted", 128, GemmConfig(64, 64, 8, 4), GemmConfig(128, 64, 4, 4, group_m=0, tile_m=48,
+                                                                          tail_m=64))
+    cfg = configs.sanitize(base, torch.bfloat16, 2048, 2048)
+    assert (cfg.gemm2.tile_m, cfg.gemm2.group_m, cfg.gemm2.tail_m) == (32, 1, 16)
+    for tile_m in (128, 256, -1):
+        other = dataclasses.replace(base, gemm2=dataclasses.replace(base.gemm2, tile_m=tile_m))
+        assert configs.sanitize(other, torch.bfloat16, 2048, 2048).gemm2.tile_m == 0
+    small = dataclasses.replace(base, gemm2=dataclasses.replace(base.gemm2, tile_m=4))
+    assert configs.sanitize(small, torch.bfloat16, 2048, 2048).gemm2.tile_m == 16
+    persistent = dataclasses.replace(base, gemm2=dataclasses.replace(base.gemm2, persistent=True))
+    assert configs.sanitize(persistent, torch.bfloat16, 2048, 2048).gemm2.tile_m == 0
+    in_gemm1 = dataclasses.replace(base, gemm1=dataclasses.replace(base.gemm1, tile_m=64))
+    assert configs.sanitize(in_gemm1, torch.bfloat16, 2048, 2048).gemm1.tile_m == 0
+    for quant in ("mxfp4", "mxfp4_mma"):
+        assert configs.sanitize(base, torch.bfloat16, 2048, 2048, quant=quant).gemm2.tile_m == 0
 
 
 def test_dense_heuristic_tiles_by_block_m():

@@ -86,6 +86,10 @@ class GemmConfig:
     # sorted order for the slot sum; tail_m and split_k do not apply. Needs sm_90+, 16-bit activations and
     # TMA-capable layouts, else the non-persistent kernel runs.
     persistent: bool = False
+    # Sorted path, gemm2 only: rows per program (0 = block_m), a power of two below block_m: each block runs as
+    # block_m / tile_m programs (super-grouped order, group_m >= 1), so that a short reduction (few steps per tile)
+    # has smaller tiles, on fewer warps, several to an SM, whose loads overlap each other's epilogues.
+    tile_m: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +165,8 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1
     name, sms = _device_facts(device)
     per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row, quant), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
-    usable = [b for b, c in per_m.items() if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
+    usable = [b for b, c in per_m.items()
+              if not (c.path == "direct" and M > b and not use_direct(M, E, topk, N, K, quant))]
     if usable:
         cfg = per_m[_nearest_bucket(usable, M)]
     else:
@@ -174,11 +179,30 @@ def expected_hit_experts(P: int, E: int) -> float:
     return E * (1.0 - (1.0 - 1.0 / E) ** P) if P > 0 else 0.0
 
 
-def use_direct(M: int, E: int, topk: int) -> bool:
+# fp8 block: the direct schedule while the expert reads it repeats (pairs that share an expert) stay under this many
+# bytes, about 20 us of the H100's HBM (see use_direct).
+FP8_DIRECT_REPEAT_BYTES = 64 << 20
+
+
+def use_direct(M: int, E: int, topk: int, N: int = 0, K: int = 0, quant: str = "none") -> bool:
     # NOTE: the direct path re-reads an expert's weights once per pair that hits it, so it pays only while
     # pairs rarely share an expert (expected shared fraction ~ P / 2E <= 1/16 here); it saves the routing
     # and slot-sum launches (~2 x 2-4 us, 10-20% of qwen3's 25 us floor at M = 1).
-    return M == 1 or M * topk * 8 <= E
+    P = M * topk
+    if M == 1 or P * 8 <= E:
+        return True
+    if quant == "fp8_block" and 2 * P <= E:
+        # NOTE: beyond that, fp8 block's sorted schedule at a few tokens adds routing, a slot sum and a first GEMM of
+        # only N / 128 tiles per expert, so the direct tensor-core GEMVs pay until their repeated expert reads cost
+        # about as much. H100, the op under CUDA-graph replay, direct against sorted (``python
+        # benchmarks/ab_fused_experts.py --model MODEL --tokens M --quant fp8_block --other-schedule``;
+        # benchmarks/results/ab_fp8_direct_h100.txt): Qwen3-Next-80B-A3B TP 2 (E 512, topk 10, K 2048, N 256) M = 8
+        # 57.1 against 70.5 us, M = 16 96.5 against 107.5; Qwen3-30B-A3B (E 128, topk 8, N 768) M = 8 103.8 against
+        # 107.3. Past the rule the sorted one won: Qwen3-30B-A3B M = 16 164.8 against 193.1 (2 P > E), DeepSeek-V3
+        # (N 2048) M = 8 884.7 against 952.7 (repeats ~250 MB), DeepSeek-V2-Lite (E 64) M = 8 129.6 against 135.7.
+        repeats = P - expected_hit_experts(P, E)
+        return repeats * 3 * N * K <= FP8_DIRECT_REPEAT_BYTES
+    return False
 
 
 def _pow2_floor(x: int) -> int:
@@ -186,12 +210,14 @@ def _pow2_floor(x: int) -> int:
 
 
 def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
-                     num_sms: int = 132, quant: str = "none") -> MoeConfig:
+                     num_sms: int = 132, quant: str = "none", path: str | None = None) -> MoeConfig:
+    """The untuned config of a call; ``path`` ("direct" / "sorted") forces the schedule (None: ``use_direct``)."""
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
-    if quant in DOT_GEMV_QUANTS and use_direct(M, E, topk):
+    direct = use_direct(M, E, topk, N, K, quant) if path is None else path == "direct"
+    if quant in DOT_GEMV_QUANTS and direct:
         return dot_gemv_direct(P, N, K, num_sms, quant)
-    if use_direct(M, E, topk) and quant not in DOT_GEMV_QUANTS:
+    if direct and quant not in DOT_GEMV_QUANTS:
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
         return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
@@ -264,6 +290,17 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # 8 warps 3 stages, gemm2 128 x 128 on 8 warps 4 stages).
         g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=8 if block_m == 128 else 4, num_stages=4,
                                  tma_weights=True, tma_a=block_m >= 64)
+        if block_m == 128 and N <= 1024:
+            # NOTE: a short reduction (N / 128 <= 8 steps per tile) in tiles of 64 of the block's 128 rows on 4 warps,
+            # two programs to an SM whose loads overlap each other's epilogues, instead of one 8-warp program per SM
+            # that stalls between tiles. H100, M = 8192, whole op: DeepSeek-V3 at TP 4 (E 256, topk 8, K 7168, N 512)
+            # 3667.1 -> 3274.8 us (gemm2 alone 1810.7 -> 1419.7 eager), Qwen3-30B-A3B (E 128, topk 8, K 2048,
+            # N 768) 1446.6 -> 1338.0, outputs bitwise equal (``python benchmarks/ab_fused_experts.py --model
+            # deepseek-v3-tp4 --tokens 8192 --quant fp8_block --variant '{"gemm2": {"tile_m": 0, "num_warps": 8}}'``).
+            # 32-row tiles were slower (4731.2 and 1914.4 against 3647.8 and 1425.8), and DeepSeek-V3's own N = 2048
+            # gained nothing (10129.0 against 10649.4 us, within that cell's spread): N <= 1024 only
+            # (benchmarks/results/ab_fp8_gemm2_row_tiles_h100.txt).
+            g2 = dataclasses.replace(g2, num_warps=4, tile_m=64)
     if quant == "mxfp4_mma":
         g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2, blocks, K, N, num_sms)
     return MoeConfig("sorted", block_m, g1, g2)
@@ -458,17 +495,22 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     if cfg.path == "sorted":
         bm = min(fp8_max_block_m(N) if quant == "fp8_block" else 128, max(16, triton_next_pow2(cfg.block_m)))
         g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm)), bm, 2, 16, esize)
+        g1 = dataclasses.replace(g1, tile_m=0)
+        # MXFP4 keeps whole-block gemm2 tiles (the MMA layout's tile shapes are each checked on the GPU:
+        # mxfp4_mma_tiles).
+        tm = 0 if quant in ("mxfp4", "mxfp4_mma") else _tile_m(g2, bm)
         if g2.persistent:
-            g2 = _fit(dataclasses.replace(g2, tail_m=0, split_k=1), bm, 1, 16, esize, out_tile=True)
+            g2 = _fit(dataclasses.replace(g2, tail_m=0, split_k=1, tile_m=0), bm, 1, 16, esize, out_tile=True)
         else:
-            g2 = _fit(dataclasses.replace(g2, tail_m=_tail(g2.tail_m, bm)), bm, 1, 16, esize)
+            g2 = _fit(dataclasses.replace(g2, tail_m=_tail(g2.tail_m, tm or bm), tile_m=tm,
+                                          group_m=max(1, g2.group_m) if tm else g2.group_m), tm or bm, 1, 16, esize)
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
         if quant == "mxfp4":
             g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, 1, N)
         if quant == "mxfp4_mma":
             g1, g2 = mxfp4_mma_tiles(g1, 2, bm, a_esize), mxfp4_mma_tiles(g2, 1, bm, a_esize)
         if quant == "fp8_block":
-            g1, g2 = fp8_tiles(g1, bm, 2, a_esize), fp8_tiles(g2, bm, 1, a_esize)
+            g1, g2 = fp8_tiles(g1, bm, 2, a_esize), fp8_tiles(g2, g2.tile_m or bm, 1, a_esize)
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / 128))))
         return MoeConfig("sorted", bm, g1, g2)
     if quant in DOT_GEMV_QUANTS:
@@ -564,6 +606,14 @@ def mxfp4_tiles(g: GemmConfig, row_mult: int, reduction: int) -> GemmConfig:
     while bytes_per_thread() < 4 and warps > 1:
         warps //= 2
     return dataclasses.replace(g, block_k=bk, num_warps=warps)
+
+
+def _tile_m(g: GemmConfig, block_m: int) -> int:
+    """gemm2's rows per program: 0 (the block's) or a power of two in [16, block_m / 2]; 0 with the persistent
+    gemm2, which walks whole blocks."""
+    if g.tile_m <= 0 or g.persistent or g.tile_m >= block_m:
+        return 0
+    return max(16, _pow2_floor(g.tile_m))
 
 
 def _tail(tail_m: int, block_m: int) -> int:

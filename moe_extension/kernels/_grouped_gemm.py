@@ -186,8 +186,10 @@ def gemm1_epilogue_parts(acc, acc_b, g, bias_ptr, expert, wr, wr_b, has_bias, N_
 
 @triton.jit
 def _tile(pid, num_blocks_m, num_tiles_n, block_expert_ptr, counts_ptr, starts_ptr, BLOCK_M: tl.constexpr,
-          GROUP_M: tl.constexpr):
+          GROUP_M: tl.constexpr, SUB: tl.constexpr = 1):
     """(expert, row block, N tile) of program ``pid``; expert -1 for programs past the used blocks.
+    SUB > 1 (GROUP_M > 0 only): ``num_blocks_m`` counts row tiles of BLOCK_M / SUB rows, SUB per block of
+    BLOCK_M rows, and the returned row block is such a tile.
 
     GROUP_M > 0, super-grouped order: GROUP_M row blocks walk the N tiles together, row block fastest, so a
     weight tile is reused from L2 by the GROUP_M blocks and an A block by the N tiles.
@@ -202,12 +204,13 @@ def _tile(pid, num_blocks_m, num_tiles_n, block_expert_ptr, counts_ptr, starts_p
         blocks = tl.maximum(tl.cdiv(tl.load(counts_ptr + e), BLOCK_M), 1)
         local = pid - first * num_tiles_n
         return expert, first + local % blocks, local // blocks
+    tl.static_assert(SUB == 1 or GROUP_M > 0, "row tiles smaller than a block need the super-grouped order")
     per_group = GROUP_M * num_tiles_n
     first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
-    return tl.load(block_expert_ptr + pid_m), pid_m, pid_n
+    return tl.load(block_expert_ptr + pid_m // SUB), pid_m, pid_n
 
 
 @triton.jit
@@ -540,7 +543,7 @@ def gemm2_sorted_kernel(
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
-    WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr,
+    WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr, TILE_M: tl.constexpr = 0,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
@@ -548,6 +551,9 @@ def gemm2_sorted_kernel(
     per slot). program_id(1) is the split of the reduction dim (k_per_split, a multiple of BLOCK_K, each).
     EVEN_K: every split's range is full BLOCK_K steps inside K. has_bias / apply_weight: runtime flags.
     TAIL_M: as in gemm1 (blocks with at most TAIL_M valid rows run a TAIL_M-row tile).
+    TILE_M (0: BLOCK_M): rows per program, a divisor of BLOCK_M; each block of BLOCK_M rows runs as
+    BLOCK_M / TILE_M programs (GROUP_M > 0; the grid's first dim counts them), a tile of padding rows only exits
+    at once, and TAIL_M applies per tile.
     W_DESC: weight tiles through the TMA descriptor ``w_desc`` of w [E, N_OUT, K] (block [1, BLOCK_N,
     BLOCK_K]); a tile reaching past this split's range is multiplied by the masked (zero) columns of ``a``.
     A_DESC (A_SORTED only): the rows of ``a`` come through ``a_desc`` (block [BLOCK_M, BLOCK_K]) and, for
@@ -562,12 +568,17 @@ def gemm2_sorted_kernel(
             gdc_launch_dependents()
     else:
         grid_dependency(PDL)
-    expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), block_expert_ptr, counts_ptr,
-                                 starts_ptr, BLOCK_M, GROUP_M)
+    ROWS: tl.constexpr = BLOCK_M if TILE_M == 0 else TILE_M
+    expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m * (BLOCK_M // ROWS), tl.cdiv(N_OUT, BLOCK_N),
+                                 block_expert_ptr, counts_ptr, starts_ptr, BLOCK_M, GROUP_M, BLOCK_M // ROWS)
     split = tl.program_id(1)
     if expert < 0:
         return
-    row0 = pid_m * BLOCK_M
+    row0 = pid_m * ROWS
+    if ROWS < BLOCK_M:
+        # Valid rows come first in a block: a tile that starts on a padding row has none.
+        if tl.load(sorted_ptr + row0) >= P:
+            return
     if WAIT:
         # The expert's rows of a are final once all its gemm1 tiles have counted: acquire, then order the
         # TMA (async proxy) reads after it.
@@ -578,7 +589,7 @@ def gemm2_sorted_kernel(
         if PDL:
             tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
                                       pack=1)
-    if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
+    if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, ROWS) <= TAIL_M:
         _gemm2_block(a_ptr, as_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert,
                      row0, pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
@@ -589,7 +600,7 @@ def gemm2_sorted_kernel(
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
                      stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
-                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
+                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, ROWS, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
     if WAIT:
         if PDL:
             # gemm1 has completed (all its tiles counted): this grid's completion implies gemm1's.

@@ -9,16 +9,18 @@ Shapes: ``hidden_states [M, K]``, ``w1 [E, 2N, K]``, ``w2 [E, K, N]`` (any strid
 Every size below comes from shapes (workspaces are worst-case sized), every launch goes to the current
 stream, and nothing reads device memory on the host: capture-safe, and no host sync. Schedules
 (see ``_configs``), with P = M * topk pairs:
-- direct (decode: M = 1, or P * 8 <= E): 2 launches. ``gemv1`` (+ activation), grid
-  (cdiv(N, BN), P) -> ``a [P, N]``; ``gemv2`` over each token's slots (the topk sum fused, fixed order),
-  grid (cdiv(K, BN), M) -> ``out [M, K]``. MXFP4 in the MMA layout and fp8 block multiply in tensor-core
-  steps (``_gemv_dot``): grids (tiles, P, splits of the reduction), 3 launches (one zeroes the counters that
-  let the last program of an output tile sum the partials and the slots in a fixed order; fp8 block: one more
-  quantizes x).
+- direct (decode: M = 1, or P * 8 <= E; fp8 block also while 2 P <= E and the pairs that share an expert
+  repeat at most ``FP8_DIRECT_REPEAT_BYTES`` of weight reads: ``_configs.use_direct``): 2 launches. ``gemv1``
+  (+ activation), grid (cdiv(N, BN), P) -> ``a [P, N]``; ``gemv2`` over each token's slots (the topk sum
+  fused, fixed order), grid (cdiv(K, BN), M) -> ``out [M, K]``. MXFP4 in the MMA layout and fp8 block multiply
+  in tensor-core steps (``_gemv_dot``): grids (tiles, P, splits of the reduction), 3 launches (one zeroes the
+  counters that let the last program of an output tile sum the partials and the slots in a fixed order; fp8
+  block: one more quantizes x).
 - sorted: 4 launches (6 when P > 128: the routing takes three; one more when gemm1 copies its token rows
   into sorted order for TMA loads, ``tma_a``). ``route`` -> ``gemm1`` (+ activation),
   grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
-  splits) -> per-slot ``y [splits, M, topk, K]`` -> ``sum_slots``, grid (M, cdiv(K, 2048)) -> ``out``.
+  splits; with ``gemm2.tile_m`` max_blocks * block_m / tile_m * cdiv(K, BN)) -> per-slot ``y [splits, M, topk, K]``
+  -> ``sum_slots``, grid (M, cdiv(K, 2048)) -> ``out``.
   max_blocks = P // block_m + min(P, E) bounds the non-empty expert blocks; programs of the blocks past
   the used ones read block_expert = -1 and exit at once. With ``gemm2.persistent`` (sm_90+), gemm2 is
   ``_gemm2_persistent``: one program per SM, grid (SMs,) -> sorted rows ``y [rows, K]``, which
@@ -274,9 +276,10 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         stride_am, stride_aj, stride_ak = a.stride(0), 0, a.stride(1)
     else:
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
-    grid = (routing.max_blocks * triton.cdiv(K, cfg.block_n), splits)
+    rows = cfg.tile_m or routing.block_m
+    grid = (routing.max_blocks * (routing.block_m // rows) * triton.cdiv(K, cfg.block_n), splits)
     w_desc = _weight_desc(w2.w, cfg.block_n, cfg) if w2.element_tiles else None
-    a_desc, a_tail_desc = _sorted_rows_descs(a, routing.block_m, cfg) if a_sorted else (None, None)
+    a_desc, a_tail_desc = _sorted_rows_descs(a, rows, cfg) if a_sorted else (None, None)
     kern.gemm2_sorted_kernel[grid](
         a, a_scale if a_scale is not None else a, a_desc, a_tail_desc, w2.w, w_desc, w2.scale,
         bias if bias is not None else y, y,
@@ -291,7 +294,7 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype, w2),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, WAIT=wait_tiles_n1 > 0,
-        A_Q=a_scale is not None,
+        A_Q=a_scale is not None, TILE_M=0 if rows == routing.block_m else rows,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
 
