@@ -395,23 +395,16 @@ def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
             assert g.num_stages * (rows * a_esize + mult * g.block_n) * g.block_k <= configs.SMEM_BUDGET
         else:  # the tensor-core GEMVs: 64 to 256 weight rows (a warpgroup's MMA takes 64)
             assert g.block_k == 128 and 64 <= mult * g.block_n <= 256
-    assert cfg.path == ("direct" if configs.use_direct(M, E, topk, N, K, "fp8_block") else "sorted")
+    assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
     assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg
 
 
-def test_fp8_direct_schedule_rule():
-    """fp8 block runs the direct schedule beyond the 16-bit weights' rule (P * 8 <= E) while 2 P <= E and the
-    expected repeated expert reads (pairs that share an expert) stay within FP8_DIRECT_REPEAT_BYTES; ``path``
-    forces either schedule in the heuristic."""
-    assert configs.use_direct(8, 512, 10, 256, 2048, "fp8_block") and not configs.use_direct(8, 512, 10)
-    assert configs.use_direct(8, 128, 8, 768, 2048, "fp8_block")
-    assert not configs.use_direct(16, 256, 8, 128, 7168, "fp8_block")  # 2 P <= E, but ~75 MB of repeats
-    assert not configs.use_direct(16, 128, 8, 768, 2048, "fp8_block")  # 2 P > E
-    assert configs.use_direct(4, 256, 8, 2048, 7168, "fp8_block")  # the 16-bit rule holds
-    assert not configs.use_direct(8, 128, 8, 768, 2048, "mxfp4_mma")  # fp8 block only
-    for M, path in ((16, "direct"), (1, "sorted")):
+def test_heuristic_forced_schedule():
+    """``path`` forces either schedule in the heuristic (``ab_fused_experts.py --other-schedule``); None follows
+    ``use_direct``."""
+    for M, path in ((16, "direct"), (1, "sorted"), (1, None), (16, None)):
         cfg = configs.heuristic_config(M, 128, 768, 2048, 8, torch.bfloat16, True, True, quant="fp8_block", path=path)
-        assert cfg.path == path
+        assert cfg.path == (path or ("direct" if configs.use_direct(M, 128, 8) else "sorted"))
 
 
 @pytest.mark.parametrize("N,rows", [(512, 64), (768, 64), (1024, 64), (2048, 0), (1000, 0)])

@@ -166,7 +166,7 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1
     per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row, quant), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
     usable = [b for b, c in per_m.items()
-              if not (c.path == "direct" and M > b and not use_direct(M, E, topk, N, K, quant))]
+              if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
     if usable:
         cfg = per_m[_nearest_bucket(usable, M)]
     else:
@@ -179,30 +179,11 @@ def expected_hit_experts(P: int, E: int) -> float:
     return E * (1.0 - (1.0 - 1.0 / E) ** P) if P > 0 else 0.0
 
 
-# fp8 block: the direct schedule while the expert reads it repeats (pairs that share an expert) stay under this many
-# bytes, about 20 us of the H100's HBM (see use_direct).
-FP8_DIRECT_REPEAT_BYTES = 64 << 20
-
-
-def use_direct(M: int, E: int, topk: int, N: int = 0, K: int = 0, quant: str = "none") -> bool:
+def use_direct(M: int, E: int, topk: int) -> bool:
     # NOTE: the direct path re-reads an expert's weights once per pair that hits it, so it pays only while
     # pairs rarely share an expert (expected shared fraction ~ P / 2E <= 1/16 here); it saves the routing
     # and slot-sum launches (~2 x 2-4 us, 10-20% of qwen3's 25 us floor at M = 1).
-    P = M * topk
-    if M == 1 or P * 8 <= E:
-        return True
-    if quant == "fp8_block" and 2 * P <= E:
-        # NOTE: beyond that, fp8 block's sorted schedule at a few tokens adds routing, a slot sum and a first GEMM of
-        # only N / 128 tiles per expert, so the direct tensor-core GEMVs pay until their repeated expert reads cost
-        # about as much. H100, the op under CUDA-graph replay, direct against sorted (``python
-        # benchmarks/ab_fused_experts.py --model MODEL --tokens M --quant fp8_block --other-schedule``;
-        # benchmarks/results/ab_fp8_direct_h100.txt): Qwen3-Next-80B-A3B TP 2 (E 512, topk 10, K 2048, N 256) M = 8
-        # 57.1 against 70.5 us, M = 16 96.5 against 107.5; Qwen3-30B-A3B (E 128, topk 8, N 768) M = 8 103.8 against
-        # 107.3. Past the rule the sorted one won: Qwen3-30B-A3B M = 16 164.8 against 193.1 (2 P > E), DeepSeek-V3
-        # (N 2048) M = 8 884.7 against 952.7 (repeats ~250 MB), DeepSeek-V2-Lite (E 64) M = 8 129.6 against 135.7.
-        repeats = P - expected_hit_experts(P, E)
-        return repeats * 3 * N * K <= FP8_DIRECT_REPEAT_BYTES
-    return False
+    return M == 1 or M * topk * 8 <= E
 
 
 def _pow2_floor(x: int) -> int:
@@ -214,7 +195,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     """The untuned config of a call; ``path`` ("direct" / "sorted") forces the schedule (None: ``use_direct``)."""
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
-    direct = use_direct(M, E, topk, N, K, quant) if path is None else path == "direct"
+    direct = use_direct(M, E, topk) if path is None else path == "direct"
     if quant in DOT_GEMV_QUANTS and direct:
         return dot_gemv_direct(P, N, K, num_sms, quant)
     if direct and quant not in DOT_GEMV_QUANTS:
