@@ -29,8 +29,10 @@ def test_quant_option_picks_the_model_table():
     assert args.models == ["gpt-oss-120b", "gpt-oss-20b"] and not args.bias
     args = bench.parse_args(["--quant", "mxfp4", "--models", "gpt-oss-20b", "--bias", "--tokens", "1", "4096"])
     assert (args.models, args.bias, args.tokens) == (["gpt-oss-20b"], True, [1, 4096])
+    args = bench.parse_args(["--quant", "mxfp4", "--models", "gpt-oss-120b-tp4", "gpt-oss-120b-tp8"])
+    assert args.models == ["gpt-oss-120b-tp4", "gpt-oss-120b-tp8"]  # the shards: on request only
     for argv in (["--models", "gpt-oss-20b"], ["--quant", "mxfp4", "--models", "qwen3-30b-a3b"], ["--bias"],
-                 ["--quant", "int4"]):
+                 ["--quant", "int4"], ["--models", "gpt-oss-120b-tp4"]):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
 

@@ -12,6 +12,7 @@ import bench_fused_experts_fp8 as bench  # noqa: E402
 import plot_fused_experts as plot  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "fused_experts_fp8_h100.json"
+ZOO_RESULT = RESULT.with_name("fused_experts_fp8_zoo_h100.json")
 
 
 def test_options():
@@ -21,6 +22,8 @@ def test_options():
     assert (args.shapes, args.tokens, args.skip_peers, args.gemm1) == (["deepseek-v3-ep32"], [1, 64], True, True)
     with pytest.raises(SystemExit):
         bench.parse_args(["--shapes", "mixtral"])
+    zoo = bench.parse_args(["--zoo"])
+    assert (zoo.shapes, zoo.tokens) == (list(bench.ZOO_SHAPES), list(bench.ZOO_TOKENS))
 
 
 def _row(m, auto, peers, floor=100.0):
@@ -51,6 +54,16 @@ def test_committed_result_is_consistent():
     assert all(r["ours_auto_us"] is not None for r in rows)
     assert bench.summarize(rows, result["gemm1"]) == result["summary"]
     assert all(r["deep_gemm_us"] > r["ours_triton_us"] for r in rows if r["deep_gemm_us"] is not None)
+
+
+def test_committed_zoo_result_is_consistent():
+    """The committed H100 file of --zoo: every cell of ZOO_SHAPES x ZOO_TOKENS, its summary recomputable from its
+    rows, and every untimed cell of ours explained by a failure in the row."""
+    result = json.loads(ZOO_RESULT.read_text())
+    rows = result["rows"]
+    assert {(r["shape"], r["M"]) for r in rows} == {(s, m) for s in bench.ZOO_SHAPES for m in bench.ZOO_TOKENS}
+    assert bench.summarize(rows, result["gemm1"]) == result["summary"]
+    assert all(r["ours_auto_us"] is not None or "ours_auto" in r["failures"] for r in rows)
 
 
 def test_chart_of_the_result(tmp_path):
