@@ -14,9 +14,9 @@ A variant is JSON: ``{"block_m": .., "gemm1": {GemmConfig field: value}, "gemm2"
 applied with ``dataclasses.replace``. ``--no-pdl`` adds the table config launched without programmatic
 dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launched with PDL (the
 launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
-``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
+``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
 bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
 random routing over all E, so most slots are elsewhere); triton_kernels is timed on bf16 weights of all E only.

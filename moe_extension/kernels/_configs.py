@@ -165,8 +165,7 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1
     name, sms = _device_facts(device)
     per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row, quant), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
-    usable = [b for b, c in per_m.items()
-              if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
+    usable = [b for b, c in per_m.items() if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
     if usable:
         cfg = per_m[_nearest_bucket(usable, M)]
     else:
