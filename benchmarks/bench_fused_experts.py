@@ -88,14 +88,18 @@ DEVICE = "cuda"
 ROUTINGS = 8
 
 
+def mxfp4_shapes() -> dict:
+    """The shapes --quant mxfp4 runs: the gpt-oss models and the shards."""
+    return {**MXFP4_MODELS, **MXFP4_SHARDS}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quant", choices=("none", "mxfp4"), default="none",
                    help="expert weight format: 'none' = bf16 weights, the three models; 'mxfp4' = MXFP4 weights, "
                         "the gpt-oss models, columns ours / triton_kernels / ours_bf16 (default: %(default)s)")
-    p.add_argument("--models", nargs="+", choices=list(dict.fromkeys([*MODELS, *MXFP4_MODELS, *MXFP4_SHARDS])),
-                   default=None,
+    p.add_argument("--models", nargs="+", choices=list(dict.fromkeys([*MODELS, *mxfp4_shapes()])), default=None,
                    help=f"models to run (default: all of the quant's: {', '.join(MODELS)} for none; "
                         f"{', '.join(MXFP4_MODELS)} for mxfp4)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS),
@@ -118,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.models is None:
         args.models = list(table)
     if args.quant == "mxfp4":
-        table = {**table, **MXFP4_SHARDS}
+        table = mxfp4_shapes()
     wrong = [m for m in args.models if m not in table]
     if wrong:
         p.error(f"--quant {args.quant} runs {', '.join(table)}; not {', '.join(wrong)}")
@@ -291,7 +295,7 @@ def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> in
 
     rows = []
     for model in args.models:
-        shape = {**MXFP4_MODELS, **MXFP4_SHARDS}[model]
+        shape = mxfp4_shapes()[model]
         e, k, n = shape["E"], shape["K"], shape["N"]
         w = make_mxfp4_weights(torch, e, k, n, args.weight_layout, with_bf16="ours_bf16" not in unavailable)
         biases = {"w1_bias": None, "w2_bias": None}

@@ -54,6 +54,7 @@ ZOO_SHAPES = {
     "kimi-k2-ep8": dict(E=384, topk=8, K=7168, N=2048, local=48),  # moonshotai/Kimi-K2-Instruct, EP 8
 }
 ZOO_TOKENS = (1, 8, 64, 512, 2048, 8192)
+ALL_SHAPES = {**SHAPES, **ZOO_SHAPES}
 ACTIVATION = "silu"
 TOLERANCE = 1e-2
 # The DeepGEMM route and vLLM write the first GEMM's output in bf16 and quantize that for the second (DeepGEMM's
@@ -70,7 +71,7 @@ DEVICE = "cuda"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", choices=list(SHAPES) + list(ZOO_SHAPES), default=None,
+    p.add_argument("--shapes", nargs="+", choices=list(ALL_SHAPES), default=None,
                    help=f"default: {' '.join(SHAPES)}; with --zoo {' '.join(ZOO_SHAPES)}")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help=f"token counts M (default: {' '.join(map(str, TOKENS))}; with --zoo "
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
 
     rows, gemm1 = [], None
     for shape_name in args.shapes:
-        shape = {**SHAPES, **ZOO_SHAPES}[shape_name]
+        shape = ALL_SHAPES[shape_name]
         E, topk, K, N, local = shape["E"], shape["topk"], shape["K"], shape["N"], shape["local"]
         w1, s1 = harness.random_fp8_block_stack(local, 2 * N, K, DEVICE)
         w2, s2 = harness.random_fp8_block_stack(local, K, N, DEVICE)
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
     summary = summarize(rows, gemm1)
     print_table(rows, summary)
     payload = dict(info, copy_GBps=copy_bw / 1e9, fp8_gemm_TFLOPs=peak / 1e12, activation=ACTIVATION,
-                   quant="fp8_block", shapes={n: {**SHAPES, **ZOO_SHAPES}[n] for n in args.shapes},
+                   quant="fp8_block", shapes={n: ALL_SHAPES[n] for n in args.shapes},
                    unavailable=unavailable,
                    dtype="bf16 hidden states; fp8 e4m3 weights with fp32 128 x 128 block scales (random)",
                    columns={

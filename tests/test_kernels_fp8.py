@@ -413,9 +413,9 @@ def test_fp8_heuristic_gemm2_row_tiles(N, rows):
     reductions (and N not a multiple of 128, whose blocks hold 64 rows) keep whole-block tiles."""
     cfg = configs.heuristic_config(8192, 256, N, 7168, 8, torch.bfloat16, True, True, quant="fp8_block")
     cfg = configs.sanitize(cfg, torch.bfloat16, N, 7168, 8, quant="fp8_block")
-    assert cfg.gemm2.tile_m == rows
-    assert cfg.block_m == (128 if N % 128 == 0 else 64) and cfg.gemm2.num_warps == (4 if rows else 8 if N % 128 == 0
-                                                                                     else 4)
+    assert cfg.gemm2.tile_m == rows and cfg.block_m == (128 if N % 128 == 0 else 64)
+    whole_block_warps = 8 if cfg.block_m == 128 else 4
+    assert cfg.gemm2.num_warps == (4 if rows else whole_block_warps)
 
 
 def test_sanitize_fp8_fixes_tiles():
