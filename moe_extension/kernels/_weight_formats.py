@@ -373,7 +373,9 @@ def quantize_fp8_groups(x, PTX: tl.constexpr, UE8M0: tl.constexpr = False):
 @triton.jit
 def _fp8_dot(aq, w, PTX: tl.constexpr):
     """``aq [BM, K] @ w [K, R]`` of e4m3 values into a fresh fp32 tile: the fp8 tensor-core dot on sm_89+,
-    fp16 below (e4m3 values are exact in fp16, their products in fp32), fp32 in the interpreter."""
+    fp16 below (e4m3 values are exact in fp16, their products in fp32), fp32 in the interpreter. The fp8 dot's
+    instructions sum their products at less than fp32 precision on sm_90 (docs/formats.md: what that does to the
+    agreement with the PyTorch implementation)."""
     if PTX:
         if cuda_capability_geq(8, 9):
             out = tl.dot(aq, w)
