@@ -8,16 +8,26 @@ the others': with W = 2 about 3/4 of the slots land on rank 0). Rows move in bf1
 as e4m3 with per-128-column scales. Two modes: ``exact`` (capacity None: exact split sizes, one host sync)
 and ``fixed`` (capacity = M: no host sync, what a captured decode step runs).
 
-Per cell, medians over iterations of the slowest rank's time (ms):
+Per cell, medians over iterations (ms); a time of the whole call is the slowest rank's:
 - ``dispatch`` (plan + pack + all_to_all), ``experts`` (``fused_experts`` on the received rows), ``combine``
-  (all_to_all back + the per-token sum), each between CUDA events on every rank; ``total``: the layer's
-  forward call timed on its own, eager (from an idle GPU, so the host's issue time counts); with a capacity
-  also ``total_graph``: the call captured in a CUDA graph and replayed (what a captured decode step runs).
-- ``single_gpu``: ``fused_experts`` on rank 0 alone with its E / W experts and M tokens routed uniformly
-  over them (the same work per GPU as the uniform EP cell, eager); ``weak_scaling = single_gpu / total``
-  (``weak_scaling_graph``: both replayed in CUDA graphs, ``single_gpu_graph / total_graph``).
+  (all_to_all back + the per-token sum), between CUDA events, eager, each call from an idle GPU (so the host's
+  issue time counts), the three phases of the rank that finished last (a faster rank's combine would hold
+  its wait for the slower rank's experts).
+- ``total``: the layer's forward call timed on its own, eager from an idle GPU; ``total_stream``: per call of
+  ``iters`` calls issued back to back, eager (the host issues the next call while the GPU runs this one, as
+  between the layers of a model); with a capacity also ``total_graph``: the call captured in a CUDA graph and
+  replayed (what a captured decode step runs).
+- ``single_gpu`` / ``single_gpu_stream`` / ``single_gpu_graph``: ``fused_experts`` on rank 0 alone with its
+  E / W experts and M tokens routed uniformly over them (the same work per GPU as the uniform EP cell), timed
+  the same three ways; ``weak_scaling = single_gpu / total`` and likewise ``weak_scaling_stream`` and
+  ``weak_scaling_graph``. ``single_gpu_halves_graph``: the same tokens as two calls of M / 2 (CUDA graph): what
+  splitting a batch into two micro-batches, to overlap one's collectives with the other's experts, costs in
+  expert time (the weights are read twice), against the collectives' time it could hide.
 - ``a2a_dispatch`` / ``a2a_combine``: a plain ``all_to_all_single`` of the same rows (same split sizes) in the
-  same run; ``dispatch_bw`` etc.: bytes that leave a rank per second, and ``*_vs_plain`` their ratio.
+  same run; ``dispatch_bw`` etc.: bytes that leave a rank per second, and ``*_vs_plain`` their ratio. With a
+  capacity on CUDA, the same from CUDA graphs of each phase alone and of the plain collectives
+  (``dispatch_graph``, ``a2a_dispatch_graph``, ``dispatch_vs_plain_graph``, ...): the phases' GPU time without
+  the host's.
 
 usage (on a machine with W GPUs): python benchmarks/bench_ep.py --world 2 [--tokens 128 4096]
     [--routing uniform skewed] [--quant none fp8_block] [--dispatch auto fp8] [--out DIR]
@@ -65,6 +75,47 @@ def _slowest(times: list[float], device) -> list[float]:
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def _of_last_rank(phases: list[float], device) -> list[float]:
+    """The phase times of the rank whose phases add up to the most (the one that finished last)."""
+    mine = torch.tensor(phases, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return max((t.tolist() for t in every), key=sum)
+
+
+def _stream_ms(call, reps: int, device, together: bool = True) -> float:
+    """Milliseconds per call of ``reps`` calls issued back to back (the host runs ahead of the GPU), eager;
+    ``together``: every rank starts at a barrier."""
+    if together:
+        dist.barrier()
+    _sync(device)
+    a = _mark(device)
+    for _ in range(reps):
+        call()
+    b = _mark(device)
+    _sync(device)
+    return _ms(a, b) / reps
+
+
+def _graph_ms(call, iters: int, warmup: int, device) -> float:
+    """Median milliseconds of one replay of ``call`` captured in a CUDA graph (every rank replays together)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    times = []
+    for it in range(warmup + iters):
+        dist.barrier()
+        _sync(device)
+        a = _mark(device)
+        graph.replay()
+        b = _mark(device)
+        _sync(device)
+        if it >= warmup:
+            times.append(_slowest([_ms(a, b)], device)[0])
+    del graph
+    return statistics.median(times)
 
 
 def make_routing(M: int, E: int, topk: int, kind: str, owner: torch.Tensor, device, gen) -> tuple:
@@ -141,24 +192,20 @@ def bench_cell(layer, weights: dict, M: int, routing: str, mode: str, dispatch_d
         p2 = _mark(device)
         _sync(device)
         if it >= warmup:
-            phases.append(_slowest([_ms(t0, t1), _ms(t1, t2), _ms(t2, t3)], device))
+            phases.append(_of_last_rank([_ms(t0, t1), _ms(t1, t2), _ms(t2, t3)], device))
             totals.append(_slowest([_ms(s0, s1)], device)[0])
             plain.append(_slowest([_ms(p0, p1), _ms(p1, p2)], device))
-    if mode == "fixed" and device.type == "cuda":  # what a captured decode step runs: the call replayed
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer(x, tw, ids)
-        replays = []
-        for it in range(warmup + iters):
-            dist.barrier()
-            _sync(device)
-            g0 = _mark(device)
-            graph.replay()
-            g1 = _mark(device)
-            _sync(device)
-            if it >= warmup:
-                replays.append(_slowest([_ms(g0, g1)], device)[0])
-        del graph
+    stream = _slowest([_stream_ms(lambda: layer(x, tw, ids), iters, device)], device)[0]
+    graphs = {}
+    if mode == "fixed" and device.type == "cuda":
+        # the call replayed (what a captured decode step runs), then each phase alone and the plain collectives
+        graphs["total_graph"] = _graph_ms(lambda: layer(x, tw, ids), iters, warmup, device)
+        is_fp8 = dispatch_dtype == "fp8"
+        graphs["dispatch_graph"] = _graph_ms(
+            lambda: dispatch(x, tw, ids, layer.expert_owner, group, layer.capacity, is_fp8), iters, warmup, device)
+        graphs["combine_graph"] = _graph_ms(lambda: combine(d, y, group, x.dtype), iters, warmup, device)
+        graphs["a2a_dispatch_graph"] = _graph_ms(lambda: dist.all_to_all_single(recv, send), iters, warmup, device)
+        graphs["a2a_combine_graph"] = _graph_ms(lambda: dist.all_to_all_single(back, y), iters, warmup, device)
     med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
     # bytes that leave each rank (rows for other ranks), the largest over the ranks
     rows_off = d.plan.counts.clone()
@@ -169,20 +216,23 @@ def bench_cell(layer, weights: dict, M: int, routing: str, mode: str, dispatch_d
     back_bytes = off.item() * shape["K"] * x.element_size()
     res = {"M": M, "routing": routing, "mode": mode, "dispatch_dtype": dispatch_dtype, "quant": weights["quant"],
            "dispatch": med(phases, 0), "experts": med(phases, 1), "combine": med(phases, 2),
-           "total": statistics.median(totals), "a2a_dispatch": med(plain, 0), "a2a_combine": med(plain, 1),
-           "dispatch_bytes_off_rank": out_bytes, "combine_bytes_off_rank": back_bytes}
-    if mode == "fixed" and device.type == "cuda":
-        res["total_graph"] = statistics.median(replays)
+           "total": statistics.median(totals), "total_stream": stream, "a2a_dispatch": med(plain, 0),
+           "a2a_combine": med(plain, 1), "dispatch_bytes_off_rank": out_bytes, "combine_bytes_off_rank": back_bytes,
+           **graphs}
     res["dispatch_bw"] = out_bytes / (res["dispatch"] * 1e-3)
     res["combine_bw"] = back_bytes / (res["combine"] * 1e-3)
     res["dispatch_vs_plain"] = res["a2a_dispatch"] / res["dispatch"]
     res["combine_vs_plain"] = res["a2a_combine"] / res["combine"]
+    if graphs:
+        res["dispatch_vs_plain_graph"] = graphs["a2a_dispatch_graph"] / graphs["dispatch_graph"]
+        res["combine_vs_plain_graph"] = graphs["a2a_combine_graph"] / graphs["combine_graph"]
     return res
 
 
-def single_gpu(weights: dict, M: int, shape: dict, device, iters: int, warmup: int) -> tuple[float, float | None]:
-    """fused_experts of M tokens over this rank's experts alone (uniform routing): median ms eager and, on CUDA,
-    per call replayed in a CUDA graph."""
+def single_gpu(weights: dict, M: int, shape: dict, device, iters: int, warmup: int) -> dict:
+    """fused_experts of M tokens over this rank's experts alone (uniform routing), ms: ``single_gpu`` (median,
+    eager from an idle GPU), ``single_gpu_stream`` (back to back) and, on CUDA, ``single_gpu_graph`` (per call
+    replayed in a CUDA graph)."""
     e_local = weights["w1"].shape[0]
     gen = torch.Generator().manual_seed(7 + M)
     x = torch.randn(M, shape["K"], generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -201,11 +251,21 @@ def single_gpu(weights: dict, M: int, shape: dict, device, iters: int, warmup: i
         _sync(device)
         if it >= warmup:
             times.append(_ms(a, b))
-    if device.type != "cuda":
-        return statistics.median(times), None
-    from harness import time_graph_us
+    res = {"single_gpu": statistics.median(times), "single_gpu_stream": _stream_ms(call, iters, device, together=False)}
+    if device.type == "cuda":
+        from harness import time_graph_us
 
-    return statistics.median(times), time_graph_us(call, reps=5, replays=iters) / 1e3
+        res["single_gpu_graph"] = time_graph_us(call, reps=5, replays=iters) / 1e3
+        if M >= 2:  # the same tokens as two micro-batches: what splitting a batch to overlap its traffic costs
+            h = M // 2
+
+            def halves(_=None):
+                for part in (slice(0, h), slice(h, M)):
+                    torch.ops.moe_ext.fused_experts(x[part], weights["w1"], weights["w2"], tw[part], ids[part],
+                                                    quant=weights["quant"], **kw)
+
+            res["single_gpu_halves_graph"] = time_graph_us(halves, reps=5, replays=iters) / 1e3
+    return res
 
 
 def _worker(rank: int, args, store: str) -> None:
@@ -227,20 +287,20 @@ def _worker(rank: int, args, store: str) -> None:
                                   w1_scale=weights.get("w1_scale"), w2_scale=weights.get("w2_scale"))
         for M in args.tokens:
             # rank 0 alone; the others wait at the barrier
-            base, base_graph = single_gpu(weights, M, shape, device, args.iters, args.warmup) if rank == 0 \
-                else (0.0, None)
+            base = single_gpu(weights, M, shape, device, args.iters, args.warmup) if rank == 0 else {}
             dist.barrier()
             for routing in args.routing:
                 for dispatch_dtype in args.dispatch:
                     for mode in args.modes:
                         res = bench_cell(layer, weights, M, routing, mode, dispatch_dtype, shape, device,
                                          args.iters, args.warmup)
-                        res["single_gpu"] = base
-                        res["weak_scaling"] = base / res["total"] if rank == 0 else 0.0
-                        if "total_graph" in res and rank == 0:
-                            res["single_gpu_graph"] = base_graph
-                            res["weak_scaling_graph"] = base_graph / res["total_graph"]
                         if rank == 0:
+                            for how in ("", "_stream", "_graph"):
+                                if "total" + how in res and "single_gpu" + how in base:
+                                    res["single_gpu" + how] = base["single_gpu" + how]
+                                    res["weak_scaling" + how] = base["single_gpu" + how] / res["total" + how]
+                            if "single_gpu_halves_graph" in base:
+                                res["single_gpu_halves_graph"] = base["single_gpu_halves_graph"]
                             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in res.items()), flush=True)
                         cells.append(res)

@@ -2,8 +2,9 @@
 
 - ``dispatch``: plan and pack this rank's rows (``moe_extension.parallel.rows``), then ``all_to_all_single``
   them. Without a capacity (exact sizes) the row counts are exchanged on the device first and read on the host
-  for the split sizes (one sync: eager and prefill); with a capacity every rank sends ``capacity`` rows to
-  every rank (padding rows have ids -1), sizes come from shapes, no host sync: CUDA-graph capturable.
+  for the split sizes (one sync: eager and prefill; the host reads them while the GPU packs the rows); with a
+  capacity every rank sends ``capacity`` rows to every rank (padding rows have ids -1), sizes come from
+  shapes, no host sync: CUDA-graph capturable.
 - ``experts``: ``fused_experts`` on the received rows, with their routing and this rank's ``expert_map``: each
   row's output is the sum over the token's slots on this rank (in the token's dtype).
 - ``combine``: the outputs go back by the reverse ``all_to_all_single``; each token sums its rows in rank
@@ -39,16 +40,22 @@ def resolve_group(group_name: str):
         ) from e
 
 
-def plan_and_pack(hidden_states, topk_weights, topk_ids, expert_owner, world: int, capacity: int | None,
-                  fmt: RowFormat) -> tuple[RowPlan, torch.Tensor]:
-    """The plan and the send buffer: on CUDA two Triton launches, elsewhere PyTorch."""
-    if hidden_states.is_cuda:
-        from moe_extension.kernels._ep_rows import pack_rows_triton, plan_rows_triton
+def plan(topk_ids, expert_owner, world: int, capacity: int | None) -> RowPlan:
+    """The row plan: on CUDA one Triton launch, elsewhere PyTorch."""
+    if topk_ids.is_cuda:
+        from moe_extension.kernels._ep_rows import plan_rows_triton
 
-        plan = plan_rows_triton(topk_ids, expert_owner, world, capacity)
-        return plan, pack_rows_triton(hidden_states, topk_weights, topk_ids, expert_owner, plan, fmt)
-    plan = plan_rows(topk_ids, expert_owner, world, capacity)
-    return plan, pack_rows_torch(hidden_states, topk_weights, topk_ids, expert_owner, plan, fmt)
+        return plan_rows_triton(topk_ids, expert_owner, world, capacity)
+    return plan_rows(topk_ids, expert_owner, world, capacity)
+
+
+def pack(hidden_states, topk_weights, topk_ids, expert_owner, row_plan: RowPlan, fmt: RowFormat) -> torch.Tensor:
+    """The send buffer: on CUDA one Triton launch, elsewhere PyTorch."""
+    if hidden_states.is_cuda:
+        from moe_extension.kernels._ep_rows import pack_rows_triton
+
+        return pack_rows_triton(hidden_states, topk_weights, topk_ids, expert_owner, row_plan, fmt)
+    return pack_rows_torch(hidden_states, topk_weights, topk_ids, expert_owner, row_plan, fmt)
 
 
 def combine_rows(returned: torch.Tensor, plan: RowPlan, dtype: torch.dtype) -> torch.Tensor:
@@ -76,17 +83,27 @@ def dispatch(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     """Sends each token's rows to the ranks owning its experts (module docstring)."""
     world = dist.get_world_size(group)
     fmt = RowFormat(hidden_states.shape[1], topk_ids.shape[1], hidden_states.dtype, fp8)
-    plan, send = plan_and_pack(hidden_states, topk_weights, topk_ids, expert_owner, world, capacity, fmt)
+    row_plan = plan(topk_ids, expert_owner, world, capacity)
     if capacity is not None:
+        send = pack(hidden_states, topk_weights, topk_ids, expert_owner, row_plan, fmt)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        return Dispatched(plan, fmt, recv, None, None)
-    recv_counts = torch.empty_like(plan.counts)
-    dist.all_to_all_single(recv_counts, plan.counts, group=group)
-    send_counts, recv_counts = torch.stack((plan.counts, recv_counts)).tolist()
+        return Dispatched(row_plan, fmt, recv, None, None)
+    # exact sizes: the counts go to the host while the GPU packs the rows (the host waits for the plan and the
+    # counts' exchange only)
+    recv_counts = torch.empty_like(row_plan.counts)
+    dist.all_to_all_single(recv_counts, row_plan.counts, group=group)
+    counts = torch.stack((row_plan.counts, recv_counts)).to("cpu", non_blocking=True)
+    counted = torch.cuda.Event() if row_plan.counts.is_cuda else None
+    if counted is not None:
+        counted.record(torch.cuda.current_stream(row_plan.counts.device))
+    send = pack(hidden_states, topk_weights, topk_ids, expert_owner, row_plan, fmt)
+    if counted is not None:
+        counted.synchronize()
+    send_counts, recv_counts = counts.tolist()
     recv = send.new_empty((sum(recv_counts), fmt.row_bytes))
     dist.all_to_all_single(recv, send[: sum(send_counts)], recv_counts, send_counts, group=group)
-    return Dispatched(plan, fmt, recv, send_counts, recv_counts)
+    return Dispatched(row_plan, fmt, recv, send_counts, recv_counts)
 
 
 def combine(d: Dispatched, y: torch.Tensor, group, dtype: torch.dtype) -> torch.Tensor:
