@@ -11,7 +11,7 @@ and ``fixed`` (capacity = M: no host sync, what a captured decode step runs).
 Per cell, medians over iterations (ms); a time of the whole call is the slowest rank's:
 - ``dispatch`` (plan + pack + all_to_all), ``experts`` (``fused_experts`` on the received rows), ``combine``
   (all_to_all back + the per-token sum), between CUDA events, eager, each call from an idle GPU (so the host's
-  issue time counts), the three phases of the rank that finished last (a faster rank's combine would hold
+  issue time counts), the three phases of the rank whose experts ended last (a faster rank's combine holds
   its wait for the slower rank's experts).
 - ``total``: the layer's forward call timed on its own, eager from an idle GPU; ``total_stream``: per call of
   ``iters`` calls issued back to back, eager (the host issues the next call while the GPU runs this one, as
@@ -27,7 +27,7 @@ Per cell, medians over iterations (ms); a time of the whole call is the slowest 
   same run; ``dispatch_bw`` etc.: bytes that leave a rank per second, and ``*_vs_plain`` their ratio. With a
   capacity on CUDA, the same from CUDA graphs of each phase alone and of the plain collectives
   (``dispatch_graph``, ``a2a_dispatch_graph``, ``dispatch_vs_plain_graph``, ...): the phases' GPU time without
-  the host's.
+  the host's; ``plan_graph`` and ``pack_graph``: the two launches of the dispatch before its all_to_all.
 
 usage (on a machine with W GPUs): python benchmarks/bench_ep.py --world 2 [--tokens 128 4096]
     [--routing uniform skewed] [--quant none fp8_block] [--dispatch auto fp8] [--out DIR]
@@ -78,11 +78,12 @@ def _slowest(times: list[float], device) -> list[float]:
 
 
 def _of_last_rank(phases: list[float], device) -> list[float]:
-    """The phase times of the rank whose phases add up to the most (the one that finished last)."""
+    """``[dispatch, experts, combine]`` of the rank that reached the combine last (its experts ended last): the
+    others' combine holds their wait for it."""
     mine = torch.tensor(phases, dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return max((t.tolist() for t in every), key=sum)
+    return max((t.tolist() for t in every), key=lambda p: p[0] + p[1])
 
 
 def _stream_ms(call, reps: int, device, together: bool = True) -> float:
@@ -144,9 +145,9 @@ def make_weights(e_local: int, K: int, N: int, quant: str, device) -> dict:
 def bench_cell(layer, weights: dict, M: int, routing: str, mode: str, dispatch_dtype: str, shape: dict, device,
                iters: int, warmup: int) -> dict:
     from moe_extension.parallel import combine, dispatch
-    from moe_extension.parallel.exchange import resolve_group
+    from moe_extension.parallel.exchange import pack, plan, resolve_group
 
-    rank = dist.get_rank()
+    rank, W = dist.get_rank(), dist.get_world_size()
     group = resolve_group(layer.group_name)
     gen = torch.Generator().manual_seed(1000 * rank + M)
     x = torch.randn(M, shape["K"], generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -203,6 +204,10 @@ def bench_cell(layer, weights: dict, M: int, routing: str, mode: str, dispatch_d
         is_fp8 = dispatch_dtype == "fp8"
         graphs["dispatch_graph"] = _graph_ms(
             lambda: dispatch(x, tw, ids, layer.expert_owner, group, layer.capacity, is_fp8), iters, warmup, device)
+        graphs["plan_graph"] = _graph_ms(lambda: plan(ids, layer.expert_owner, W, layer.capacity), iters, warmup,
+                                         device)
+        graphs["pack_graph"] = _graph_ms(lambda: pack(x, tw, ids, layer.expert_owner, d.plan, d.fmt), iters, warmup,
+                                         device)
         graphs["combine_graph"] = _graph_ms(lambda: combine(d, y, group, x.dtype), iters, warmup, device)
         graphs["a2a_dispatch_graph"] = _graph_ms(lambda: dist.all_to_all_single(recv, send), iters, warmup, device)
         graphs["a2a_combine_graph"] = _graph_ms(lambda: dist.all_to_all_single(back, y), iters, warmup, device)
