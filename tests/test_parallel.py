@@ -11,9 +11,15 @@ import pytest
 import torch
 
 import moe_extension  # noqa: F401
-from moe_extension.kernels._ep_rows import combine_rows_triton, pack_rows_triton, plan_rows_triton
+from moe_extension.kernels._ep_rows import (
+    combine_rows_triton,
+    dequantize_rows_triton,
+    pack_rows_triton,
+    plan_rows_triton,
+)
 from moe_extension.parallel import ExpertPlacement, contiguous_expert_map
 from moe_extension.parallel.rows import RowFormat, combine_rows_torch, pack_rows_torch, plan_rows, slot_ranks
+from moe_extension.quant.fp8_block import dequantize_fp8_per_token_group
 from tests.ep_worker import run_cases
 
 # case -> (tolerance on err, extra checks). fp32 cases: the ranks' partial sums add in another order than the
@@ -150,6 +156,26 @@ def test_pack_and_combine_triton_match_torch(fp8, capacity):
     assert torch.equal(out.isnan(), out_ref.isnan()) and torch.equal(out.nan_to_num(), out_ref.nan_to_num())
     if capacity is not None:
         assert out_ref[plan.overflow].isnan().all() and not out_ref[~plan.overflow].isnan().any()
+
+
+@pytest.mark.parametrize("K", [200, 1000, 2304])
+def test_dequantize_rows_triton_matches_torch(K):
+    # received fp8 rows (strided views of a row buffer) back to the tokens' dtype in one pass, bitwise as PyTorch;
+    # bf16 only on CUDA (the interpreter's fp32 -> bf16 cast truncates)
+    torch.manual_seed(K)
+    R = 9
+    fmt = RowFormat(K, 4, torch.bfloat16, True)
+    buf = torch.randint(0, 256, (R, fmt.row_bytes), dtype=torch.uint8, device=DEV)
+    q, s = fmt.fp8_data(buf)
+    u = q.view(torch.uint8)
+    u.copy_((u & 0x80) | ((u & 0x7F) % 0x7F))  # both signs, finite e4m3 (no NaN pattern 0x7f / 0xff)
+    s.copy_(torch.logspace(-20, 20, s.numel(), base=2.0, device=DEV).reshape(s.shape))
+    for dtype in (torch.float16, torch.float32) + ((torch.bfloat16,) if DEV == "cuda" else ()):
+        got = dequantize_rows_triton(q, s, dtype)
+        want = dequantize_fp8_per_token_group(q, s).to(dtype)
+        assert got.shape == (R, K) and got.dtype == dtype
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), dtype
+    assert dequantize_rows_triton(q[:0], s[:0], torch.float16).shape == (0, K)
 
 
 def test_combine_sums_in_rank_order_in_fp32():

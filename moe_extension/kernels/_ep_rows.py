@@ -11,9 +11,11 @@
   sizes, nothing.
 - ``combine_rows_triton``: ``out [M, K]``, grid (M, cdiv(K, BLOCK_K)): the returned rows of token t summed in
   fp32 in rank order, one rounding; NaN where the token did not fit its capacity.
+- ``dequantize_rows_triton``: received fp8 rows ``q [R, K]`` e4m3 with ``s [R, ceil(K / 128)]`` fp32 (strided
+  views of the buffer) -> ``[R, K]`` in the tokens' dtype, ``q * s`` rounded once, in one pass.
 
-Same results as ``plan_rows`` / ``pack_rows_torch`` / ``combine_rows_torch`` (the fp8 values bitwise: the same
-quantization rule, ``quantize_fp8_groups``). Launches on the current stream; no host sync.
+Same results as ``plan_rows`` / ``pack_rows_torch`` / ``combine_rows_torch`` / ``dequantize_fp8_per_token_group``
+(the fp8 values bitwise: the same quantization rule, ``quantize_fp8_groups``). Launches on the current stream; no host sync.
 
 The plan is one launch because the PyTorch plan is about 15 small launches. Those are bound by host time
 at decode: each costs more to issue than the GPU spends on it.
@@ -199,5 +201,29 @@ def combine_rows_triton(returned: torch.Tensor, plan, dtype: torch.dtype) -> tor
         combine_rows_kernel[(M, triton.cdiv(K, block_k))](
             returned, plan.slot, plan.overflow, out, K, returned.stride(0), plan.slot.stride(0),
             plan.slot.stride(1), out.stride(0), W=W, BLOCK_K=block_k, num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def dequantize_rows_kernel(q_ptr, s_ptr, out_ptr, K, stride_qr, stride_sr, stride_or, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    q = tl.load(q_ptr + r * stride_qr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + r * stride_sr + offs // 128, mask=offs < K, other=0.0)
+    tl.store(out_ptr + r * stride_or + offs, (q * s).to(out_ptr.dtype.element_ty), mask=offs < K)
+
+
+def dequantize_rows_triton(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [R, K]`` float8_e4m3fn and ``s [R, ceil(K / 128)]`` fp32 (unit stride along columns) -> ``[R, K]``
+    ``dtype``: ``dequantize_fp8_per_token_group(q, s).to(dtype)`` in one launch, bitwise equal."""
+    R, K = q.shape
+    out = torch.empty((R, K), dtype=dtype, device=q.device)
+    if R == 0 or K == 0:
+        return out
+    block_k = min(2048, triton.next_power_of_2(max(K, 128)))
+    with device_guard(q.device):
+        dequantize_rows_kernel[(R, triton.cdiv(K, block_k))](
+            q, s, out, K, q.stride(0), s.stride(0), out.stride(0), BLOCK_K=block_k, num_warps=4,
         )
     return out

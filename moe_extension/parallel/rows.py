@@ -82,9 +82,14 @@ class RowFormat:
         return buf[:, self.meta + 4 * self.topk: self.meta + 8 * self.topk].view(torch.float32)
 
     def hidden_states(self, buf: torch.Tensor) -> torch.Tensor:
-        """The rows' hidden states ``[rows, K]`` in ``dtype``: a view, or with fp8 ``q * s`` rounded once."""
+        """The rows' hidden states ``[rows, K]`` in ``dtype``: a view, or with fp8 ``q * s`` rounded once (on CUDA
+        in one Triton pass, ``dequantize_rows_triton``)."""
         if not self.fp8:
             return self.data(buf)
+        if buf.is_cuda:
+            from moe_extension.kernels._ep_rows import dequantize_rows_triton
+
+            return dequantize_rows_triton(*self.fp8_data(buf), self.dtype)
         return dequantize_fp8_per_token_group(*self.fp8_data(buf)).to(self.dtype)
 
 
