@@ -15,7 +15,8 @@
   views of the buffer) -> ``[R, K]`` in the tokens' dtype, ``q * s`` rounded once, in one pass.
 
 Same results as ``plan_rows`` / ``pack_rows_torch`` / ``combine_rows_torch`` / ``dequantize_fp8_per_token_group``
-(the fp8 values bitwise: the same quantization rule, ``quantize_fp8_groups``). Launches on the current stream; no host sync.
+(the fp8 values bitwise: the same quantization rule, ``quantize_fp8_groups``). Launches on the current stream;
+no host sync.
 
 The plan is one launch because the PyTorch plan is about 15 small launches. Those are bound by host time
 at decode: each costs more to issue than the GPU spends on it.
