@@ -1,6 +1,6 @@
 """Expert parallelism (moe_extension.parallel, moe_ext::ep_fused_experts).
 
-Multi-process: 2, 4 and 8 gloo ranks on CPU (NCCL ranks on the GPUs there are, up to 2) run the cases of
+Multi-process: 2, 4 and 8 gloo ranks on CPU (NCCL: 1, 2, 4 and 8 ranks, as many as there are GPUs) run the cases of
 ``tests/ep_worker.py`` against single-process ``fused_experts`` holding every expert. Single-process: the
 row plan, the row packing and combining (PyTorch and Triton, bitwise), the placement, argument errors.
 """
@@ -86,7 +86,7 @@ def test_fp8_dispatch_quantizes(gloo_results):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
