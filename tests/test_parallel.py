@@ -174,7 +174,7 @@ def test_dequantize_rows_triton_matches_torch(K):
         got = dequantize_rows_triton(q, s, dtype)
         want = dequantize_fp8_per_token_group(q, s).to(dtype)
         assert got.shape == (R, K) and got.dtype == dtype
-        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), dtype
+        assert torch.equal(got, want), dtype  # finite inputs: no NaN; fp16 overflow to inf must match too
     assert dequantize_rows_triton(q[:0], s[:0], torch.float16).shape == (0, K)
 
 
