@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_extension.kernels._launch import cdiv, next_power_of_2
+
 SUPPORTED_ACTIVATIONS = ("swigluoai",)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_QUANTS = ("none", "mxfp4")
@@ -335,15 +337,15 @@ def _pack_routing_kernel(
 def _pack_routing(topk_ids, topk_weights, expert_map, n_local: int):
     """Launch ``_pack_routing_kernel``: ``(ids [M, P] int32, gates [M, P] fp32, bits [M, ceil(E/32)] uint32)``."""
     M, topk = topk_ids.shape
-    P = triton.next_power_of_2(topk)
-    n_words = triton.cdiv(n_local, 32)
+    P = next_power_of_2(topk)
+    n_words = cdiv(n_local, 32)
     ids = torch.empty((M, P), dtype=torch.int32, device=topk_ids.device)
     gates = torch.empty((M, P), dtype=torch.float32, device=topk_ids.device)
     bits = torch.empty((M, n_words), dtype=torch.uint32, device=topk_ids.device)
     # NOTE: the repeat check is a [BLOCK_M, P, P] compare; 4096 elements per program keeps it in registers.
     block_m = max(1, min(32, 4096 // (P * P)))
     has_map = expert_map is not None
-    _pack_routing_kernel[(triton.cdiv(M, block_m),)](
+    _pack_routing_kernel[(cdiv(M, block_m),)](
         topk_ids, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights, topk_weights.stride(0), topk_weights.stride(1),
         expert_map if has_map else topk_ids, expert_map.shape[0] if has_map else 0,
@@ -406,7 +408,7 @@ def _intermediate(rows: int, n: int, like: torch.Tensor) -> torch.Tensor:
     a multiple of 16 (N = 333). Padding the row stride of the buffer we hand it (a view, same shape) keeps
     every layout legal; for aligned N (all real models) the buffer is exact.
     """
-    n_pad = n if _tma_aligned(n, like.dtype) else triton.cdiv(n * like.dtype.itemsize, 16) * 16 // like.dtype.itemsize
+    n_pad = n if _tma_aligned(n, like.dtype) else cdiv(n * like.dtype.itemsize, 16) * 16 // like.dtype.itemsize
     return torch.empty((1, rows, n_pad), dtype=like.dtype, device=like.device)[:, :, :n]
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_extension.kernels._launch import device_guard
+from moe_extension.kernels._launch import cdiv, device_guard, next_power_of_2
 from moe_extension.kernels._weight_formats import quantize_fp8_groups
 
 
@@ -93,7 +93,7 @@ def plan_rows_triton(topk_ids: torch.Tensor, expert_owner: torch.Tensor, world_s
     demand = torch.empty_like(counts)
     overflow = torch.empty((M,), dtype=torch.bool, device=dev)
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
-    block_t, block_w = triton.next_power_of_2(topk), triton.next_power_of_2(world_size)
+    block_t, block_w = next_power_of_2(topk), next_power_of_2(world_size)
     block_m = max(16, min(256, 8192 // (block_t * block_w)))
     with device_guard(dev):
         plan_rows_kernel[(1,)](
@@ -155,10 +155,10 @@ def pack_rows_triton(hidden_states: torch.Tensor, topk_weights: torch.Tensor, to
     out_ids, out_w = fmt.ids(buf), fmt.weights(buf)
     if fmt.fp8:
         data, scale = fmt.fp8_data(buf)
-        block_k = min(1024, triton.next_power_of_2(max(fmt.K, 128)))
+        block_k = min(1024, next_power_of_2(max(fmt.K, 128)))
     else:
         data = scale = fmt.data(buf)
-        block_k = min(2048, triton.next_power_of_2(fmt.K))
+        block_k = min(2048, next_power_of_2(fmt.K))
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     weights = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
     fixed = plan.capacity is not None
@@ -168,8 +168,8 @@ def pack_rows_triton(hidden_states: torch.Tensor, topk_weights: torch.Tensor, to
             M, fmt.K, fmt.topk, expert_owner.shape[0], W, plan.capacity or 0,
             hidden_states.stride(0), hidden_states.stride(1), weights.stride(0), ids.stride(0), data.stride(0),
             scale.stride(0), out_ids.stride(0), out_w.stride(0),
-            FIXED=fixed, BLOCK_K=block_k, BLOCK_T=triton.next_power_of_2(fmt.topk),
-            BLOCK_W=triton.next_power_of_2(W), FP8=fmt.fp8, PTX=dev.type == "cuda", num_warps=4,
+            FIXED=fixed, BLOCK_K=block_k, BLOCK_T=next_power_of_2(fmt.topk),
+            BLOCK_W=next_power_of_2(W), FP8=fmt.fp8, PTX=dev.type == "cuda", num_warps=4,
         )
     return buf
 
@@ -197,9 +197,9 @@ def combine_rows_triton(returned: torch.Tensor, plan, dtype: torch.dtype) -> tor
     out = torch.empty((M, K), dtype=dtype, device=returned.device)
     if M == 0:
         return out
-    block_k = min(1024, triton.next_power_of_2(K))
+    block_k = min(1024, next_power_of_2(K))
     with device_guard(returned.device):
-        combine_rows_kernel[(M, triton.cdiv(K, block_k))](
+        combine_rows_kernel[(M, cdiv(K, block_k))](
             returned, plan.slot, plan.overflow, out, K, returned.stride(0), plan.slot.stride(0),
             plan.slot.stride(1), out.stride(0), W=W, BLOCK_K=block_k, num_warps=4,
         )
@@ -222,9 +222,9 @@ def dequantize_rows_triton(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype)
     out = torch.empty((R, K), dtype=dtype, device=q.device)
     if R == 0 or K == 0:
         return out
-    block_k = min(2048, triton.next_power_of_2(max(K, 128)))
+    block_k = min(2048, next_power_of_2(max(K, 128)))
     with device_guard(q.device):
-        dequantize_rows_kernel[(R, triton.cdiv(K, block_k))](
+        dequantize_rows_kernel[(R, cdiv(K, block_k))](
             q, s, out, K, q.stride(0), s.stride(0), out.stride(0), BLOCK_K=block_k, num_warps=4,
         )
     return out

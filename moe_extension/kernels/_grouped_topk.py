@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_extension.kernels._launch import device_guard
+from moe_extension.kernels._launch import cdiv, device_guard, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -108,22 +108,22 @@ def grouped_topk_triton(gating_output: torch.Tensor, topk: int, renormalize: boo
     if M == 0:
         return weights, ids
     group_size = E // num_expert_group
-    g_p2 = triton.next_power_of_2(num_expert_group)
-    gs_p2 = triton.next_power_of_2(group_size)
+    g_p2 = next_power_of_2(num_expert_group)
+    gs_p2 = next_power_of_2(group_size)
     tile = g_p2 * gs_p2
     # NOTE: as in topk_softmax: ~4 K padded scores per program, one row per program from 4 K up, up to 64
     # rows at small E; fewer rows for tiny M. The k selection passes are reductions over each row's tile.
-    block_r = max(1, min(64, 4096 // tile, triton.next_power_of_2(M)))
+    block_r = max(1, min(64, 4096 // tile, next_power_of_2(M)))
     num_warps = 8 if tile >= 512 else 4
     bias = gating_output if e_score_correction_bias is None else e_score_correction_bias  # unread without a bias
-    grid = (triton.cdiv(M, block_r),)
+    grid = (cdiv(M, block_r),)
     with device_guard(dev):
         _grouped_topk_kernel[grid](
             gating_output, bias, weights, ids, M, num_expert_group, group_size, float(routed_scaling_factor),
             gating_output.stride(0), gating_output.stride(1),
             0 if e_score_correction_bias is None else e_score_correction_bias.stride(0),
             weights.stride(0), weights.stride(1), ids.stride(0), ids.stride(1),
-            TOPK=topk, TOPK_P2=max(2, triton.next_power_of_2(topk)), TOPK_GROUP=topk_group,
+            TOPK=topk, TOPK_P2=max(2, next_power_of_2(topk)), TOPK_GROUP=topk_group,
             SIGMOID=scoring_func == "sigmoid", HAS_BIAS=e_score_correction_bias is not None,
             RENORMALIZE=bool(renormalize), BLOCK_R=block_r, G_P2=g_p2, GS_P2=gs_p2, num_warps=num_warps,
         )

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from moe_extension.kernels._launch import cdiv, next_power_of_2
 from moe_extension.kernels._weight_formats import quantize_fp8_groups
 
 
@@ -50,13 +51,13 @@ def quantize_fp8_rows(x: torch.Tensor, ue8m0: bool = False, zero: torch.Tensor |
     ``trigger`` (sm_90+): the next kernel, if launched with programmatic dependent launch, may start at once)."""
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((M, triton.cdiv(K, 128)), dtype=torch.float32, device=x.device)
+    s = torch.empty((M, cdiv(K, 128)), dtype=torch.float32, device=x.device)
     if M == 0:
         if zero is not None:
             zero.zero_()
         return q, s
-    block_k = triton.next_power_of_2(min(1024, triton.cdiv(K, 128) * 128))  # up to 8 groups per program
-    quantize_fp8_rows_kernel[(M, triton.cdiv(K, block_k))](
+    block_k = next_power_of_2(min(1024, cdiv(K, 128) * 128))  # up to 8 groups per program
+    quantize_fp8_rows_kernel[(M, cdiv(K, block_k))](
         x, q, s, zero if zero is not None else s, zero.numel() if zero is not None else 0, K, x.stride(0),
         x.stride(1), q.stride(0), s.stride(0), BLOCK_K=block_k, PTX=x.device.type == "cuda", UE8M0=ue8m0,
         ZERO=zero is not None, TRIGGER=trigger, num_warps=4,

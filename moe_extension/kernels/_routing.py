@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_extension.kernels._launch import grid_dependency, pdl_options
+from moe_extension.kernels._launch import cdiv, grid_dependency, next_power_of_2, pdl_options
 
 # NOTE: pairs handled per loop step / per program. 128 = one element per thread at num_warps=4, so the
 # histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
@@ -244,7 +244,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     E = num_experts
     dev = topk_ids.device
     max_blocks = max_blocks_for(P, E, block_m)
-    NB = max(32, triton.next_power_of_2(E))
+    NB = max(32, next_power_of_2(E))
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     inverse = torch.empty(P, dtype=torch.int32, device=dev)
@@ -259,7 +259,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     e_global = expert_map.numel() if has_map else E
     # NOTE: the [BB, NB] owner comparison and the [EB, block_m] padding tile stay at 8 K elements.
     BB = max(1, 8192 // NB)
-    EB = min(triton.next_power_of_2(E), max(1, 8192 // block_m))
+    EB = min(next_power_of_2(E), max(1, 8192 // block_m))
     ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), map_arg, e_global, E, P, topk, int(has_map))
     launch = pdl_options(pdl, num_warps=_NUM_WARPS)
     if P <= single_program_max_pairs:
@@ -267,14 +267,14 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
             *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks,
             BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, **launch)
         return routing
-    num_chunks = triton.cdiv(P, CHUNK)
+    num_chunks = cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
     _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, meta, NB=NB, CHUNK=CHUNK, **launch)
     _route_prefix_kernel[(NB // PREFIX_EXPERTS,)](
         chunk_counts, num_chunks, meta, NB=NB, EC=PREFIX_EXPERTS,
-        CB=min(triton.next_power_of_2(num_chunks), prefix_rows), **launch)
+        CB=min(next_power_of_2(num_chunks), prefix_rows), **launch)
     _route_scatter_kernel[(num_chunks,)](
         *ids_args, chunk_counts, sorted_pairs, block_expert, inverse, meta, max_blocks,
-        triton.cdiv(max_blocks, num_chunks), triton.cdiv(E, num_chunks),
+        cdiv(max_blocks, num_chunks), cdiv(E, num_chunks),
         BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, **launch)
     return routing

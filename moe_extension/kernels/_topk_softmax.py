@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_extension.kernels._launch import device_guard
+from moe_extension.kernels._launch import cdiv, device_guard, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -68,18 +68,18 @@ def topk_softmax_triton(gating_output: torch.Tensor, topk: int, renormalize: boo
     ids = torch.empty((M, topk), dtype=torch.int32, device=dev)
     if M == 0:
         return weights, ids
-    block_e = max(16, triton.next_power_of_2(E))
+    block_e = max(16, next_power_of_2(E))
     # NOTE: ~4 K logits per program (rows x padded experts): one row per program at E = 512 (the k
     # selection passes are reductions over the row), up to 64 rows at small E; fewer rows for tiny M.
-    block_r = max(1, min(64, 4096 // block_e, triton.next_power_of_2(M)))
+    block_r = max(1, min(64, 4096 // block_e, next_power_of_2(M)))
     num_warps = 8 if block_e >= 512 else 4
-    grid = (triton.cdiv(M, block_r),)
+    grid = (cdiv(M, block_r),)
     with device_guard(dev):
         _topk_softmax_kernel[grid](
             gating_output, weights, ids, M, E,
             gating_output.stride(0), gating_output.stride(1), weights.stride(0), weights.stride(1),
             ids.stride(0), ids.stride(1),
-            TOPK=topk, TOPK_P2=max(2, triton.next_power_of_2(topk)), RENORMALIZE=bool(renormalize),
+            TOPK=topk, TOPK_P2=max(2, next_power_of_2(topk)), RENORMALIZE=bool(renormalize),
             BLOCK_R=block_r, BLOCK_E=block_e, num_warps=num_warps,
         )
     return weights, ids

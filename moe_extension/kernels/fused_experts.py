@@ -54,14 +54,13 @@ silu --no-pdl``; ``--model gpt-oss-120b --quant mxfp4_mma --tokens M --direct-pd
 from __future__ import annotations
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major
-from moe_extension.kernels._launch import (device_guard, join, pdl_capable, pdl_options, sm_count, tma_capable,
-                                           tma_layout_ok)
+from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
+                                           sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
@@ -168,15 +167,15 @@ def _gathered_rows_descs(x, routing: Routing, topk, cfg: GemmConfig, pdl: bool =
     K = x.shape[1]
     rows = torch.empty((routing.max_blocks * routing.block_m, K),
                        dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
-    rows_scale = (torch.empty((rows.shape[0], triton.cdiv(K, 128)), dtype=torch.float32, device=x.device)
+    rows_scale = (torch.empty((rows.shape[0], cdiv(K, 128)), dtype=torch.float32, device=x.device)
                   if quantize else None)
     descs = _sorted_rows_descs(rows, routing.block_m, cfg)
     if descs[0] is not None:
         # NOTE: [block_m, 256] per program, 8 warps: at mixtral M = 4096 (8192 rows of 4096 bf16, 67 MB
         # written) the copy took 40 us on the H100, about the copy ceiling.
-        block_k = min(256, triton.next_power_of_2(K))
+        block_k = min(256, next_power_of_2(K))
         block_k = max(128, block_k) if quantize else block_k  # whole 128-column groups
-        kern.gather_rows_kernel[(routing.max_blocks, triton.cdiv(K, block_k))](
+        kern.gather_rows_kernel[(routing.max_blocks, cdiv(K, block_k))](
             x, rows, rows_scale if quantize else rows, routing.sorted_pairs, routing.block_expert,
             routing.inverse.numel(), topk, K, x.stride(0), x.stride(1), rows.stride(0), _stride(rows_scale, 0),
             BLOCK_M=routing.block_m, BLOCK_K=block_k, Q=quantize, PTX=_ptx(x.device), UE8M0=ue8m0,
@@ -211,7 +210,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         # table's config (block_m 128, 8 warps, 3 stages): 6727.5 us (572 TFLOP/s) with 128 weight rows per tile
         # (expert_gemm1_triton with config= gemm1 block_n 64) against 5965.4 us (645 TFLOP/s) with 2 x 128.
         block_n = 2 * cfg.block_n
-    grid = (routing.max_blocks * triton.cdiv(n_out, block_n),)
+    grid = (routing.max_blocks * cdiv(n_out, block_n),)
     halves = act not in (kern.ACT_NONE, kern.ACT_SWIGLUOAI)
     if not w1.element_tiles:
         w_desc = None
@@ -250,8 +249,8 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
 def split_reduction(N: int, cfg: GemmConfig) -> tuple[int, int]:
     """(non-empty splits, columns per split) of the reduction dim N: cfg.split_k splits of whole BLOCK_K steps,
     fewer when the steps run out; N = 0: one empty split (the epilogues still run: the biases)."""
-    per_split = max(1, triton.cdiv(triton.cdiv(N, max(1, cfg.split_k)), cfg.block_k)) * cfg.block_k
-    return max(1, triton.cdiv(N, per_split)), per_split
+    per_split = max(1, cdiv(cdiv(N, max(1, cfg.split_k)), cfg.block_k)) * cfg.block_k
+    return max(1, cdiv(N, per_split)), per_split
 
 
 def effective_splits(N: int, cfg: GemmConfig) -> int:
@@ -270,13 +269,13 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
     splits = y.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(N, splits), cfg.block_k) * cfg.block_k
+    k_per_split = cdiv(cdiv(N, splits), cfg.block_k) * cfg.block_k
     if a_sorted:
         stride_am, stride_aj, stride_ak = a.stride(0), 0, a.stride(1)
     else:
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
     rows = cfg.tile_m or routing.block_m
-    grid = (routing.max_blocks * (routing.block_m // rows) * triton.cdiv(K, cfg.block_n), splits)
+    grid = (routing.max_blocks * (routing.block_m // rows) * cdiv(K, cfg.block_n), splits)
     w_desc = _weight_desc(w2.w, cfg.block_n, cfg) if w2.element_tiles else None
     a_desc, a_tail_desc = _sorted_rows_descs(a, rows, cfg) if a_sorted else (None, None)
     kern.gemm2_sorted_kernel[grid](
@@ -315,7 +314,7 @@ def _gemm2_persistent(a, w2, bias, y, routing: Routing, topk, weights, cfg: Gemm
     bm = routing.block_m
     sms = sm_count(a.device)
     w_desc = TensorDescriptor(w2, list(w2.shape), list(w2.stride()), [1, cfg.block_n, cfg.block_k])
-    grid = (min(sms, routing.max_blocks * triton.cdiv(K, cfg.block_n)),)
+    grid = (min(sms, routing.max_blocks * cdiv(K, cfg.block_n)),)
     gemm2_persistent_kernel[grid](
         ragged_rows_desc(a, bm, cfg.block_k), w_desc, ragged_rows_desc(y, bm, cfg.block_n),
         bias if bias is not None else y, weights if weights is not None else y,
@@ -338,8 +337,8 @@ def _sum_slots(y, inverse, out, topk, pdl: bool = False):
         splits, strides = y.shape[0], y.stride()
     # NOTE: one token row per program, K in 1-2 K chunks: loads of 16 B per thread, and at M = 1 the
     # launch is a handful of programs.
-    block_n = min(triton.next_power_of_2(K), 2048)
-    kern.sum_slots_kernel[(M, triton.cdiv(K, block_n))](
+    block_n = min(next_power_of_2(K), 2048)
+    kern.sum_slots_kernel[(M, cdiv(K, block_n))](
         y, out, inverse, M, topk, K, splits, *strides, out.stride(0), out.stride(1), BLOCK_T=1, BLOCK_N=block_n,
         Y_SORTED=y.dim() == 2, **pdl_options(pdl, num_warps=4),
     )
@@ -347,14 +346,14 @@ def _sum_slots(y, inverse, out, topk, pdl: bool = False):
 
 def _gemv1_dot_counters(P: int, n_out: int, K: int, cfg: GemmConfig) -> int:
     """The int32 counters ``gemv1_dot_kernel`` needs (0: none, its reduction is not split)."""
-    return P * triton.cdiv(n_out, cfg.block_n) if split_reduction(K, cfg)[0] > 1 else 0
+    return P * cdiv(n_out, cfg.block_n) if split_reduction(K, cfg)[0] > 1 else 0
 
 
 def _gemv2_dot_counters(M: int, topk: int, K: int, N: int, cfg: GemmConfig, sum_slots: bool) -> int:
     """The int32 counters ``gemv2_dot_kernel`` needs (0: none, one program per output tile)."""
     groups = M if sum_slots else M * topk
     arrivals = (topk if sum_slots else 1) * split_reduction(N, cfg)[0]
-    return groups * triton.cdiv(K, cfg.block_n) if arrivals > 1 else 0
+    return groups * cdiv(K, cfg.block_n) if arrivals > 1 else 0
 
 
 def _zeroed_counters(n: int, device) -> torch.Tensor:
@@ -384,7 +383,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             # timing of _gemv1, 128 weight rows on 4 warps, split 2). On e4m3 rows the tuner's gemv1 candidates take
             # 89.5 to 95.4 us (2.5-2.6 TB/s; ``python benchmarks/tune_fused_experts.py --quant fp8_block --tokens 1``).
             x, x_scale = quantize_fp8_rows(x, w1.ue8m0)
-        tiles = triton.cdiv(n_out, cfg.block_n)
+        tiles = cdiv(n_out, cfg.block_n)
         splits, per_split = split_reduction(K, cfg)
         w_rows = cfg.block_n if act == kern.ACT_NONE else 2 * cfg.block_n
         part = torch.empty((splits, M * topk, tiles, w_rows) if splits > 1 else (1,), dtype=torch.float32,
@@ -406,7 +405,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
-    grid = (triton.cdiv(n_out, cfg.block_n), M * topk)
+    grid = (cdiv(n_out, cfg.block_n), M * topk)
     kern.gemv1_kernel[grid](
         x, w1.w, w1.scale, bias if bias is not None else out, out, weights if weights is not None else out,
         topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
@@ -435,12 +434,12 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
         stride_ot, stride_oj, stride_on = out.stride(0), 0, out.stride(1)
     else:
         stride_ot, stride_oj, stride_on = out.stride(0), out.stride(1), out.stride(2)
-    slots = triton.next_power_of_2(topk) if sum_slots else 1
+    slots = next_power_of_2(topk) if sum_slots else 1
     if w2.dot_gemvs:
         if w2.fmt == WFMT_FP8_BLOCK and a_scale is None:
             q, a_scale = quantize_fp8_rows(a.reshape(M * topk, N), w2.ue8m0)
             a = q.view(M, topk, N)
-        tiles = triton.cdiv(K, cfg.block_n)
+        tiles = cdiv(K, cfg.block_n)
         splits, per_split = split_reduction(N, cfg)
         nslot = topk if sum_slots else 1
         part = torch.empty((splits, M * topk, tiles, cfg.block_n) if nslot * splits > 1 else (1,), dtype=torch.float32,
@@ -462,8 +461,8 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
         return
     # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
     # per program streams a SLOTS times wider tile instead, the same bytes per step.
-    block_n = cfg.block_n if sum_slots else cfg.block_n * triton.next_power_of_2(topk)
-    grid = (triton.cdiv(K, block_n), M if sum_slots else M * topk)
+    block_n = cfg.block_n if sum_slots else cfg.block_n * next_power_of_2(topk)
+    grid = (cdiv(K, block_n), M if sum_slots else M * topk)
     kern.gemv2_kernel[grid](
         a, w2.w, w2.scale, bias if bias is not None else out, out, weights if weights is not None else out,
         topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
@@ -510,7 +509,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         if cfg.path == "direct":
             # fp8 block: gemv1 stores its rows quantized (e4m3 + scales), gemv2's input.
             a = torch.empty((M, topk, N), dtype=torch.float8_e4m3fn if fp8 else dtype, device=dev)
-            a_scale = torch.empty((M * topk, triton.cdiv(N, 128)), dtype=torch.float32, device=dev) if fp8 else None
+            a_scale = torch.empty((M * topk, cdiv(N, 128)), dtype=torch.float32, device=dev) if fp8 else None
             c1 = c2 = None
             x, x_scale = hidden_states, None
             if w1.dot_gemvs:  # both GEMVs' counters zeroed by one launch: with fp8's quantization of x, or alone
@@ -535,7 +534,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=torch.float8_e4m3fn if fp8 else dtype,
                         device=dev)
         if fp8:
-            a_scale = torch.empty((a.shape[0], triton.cdiv(N, 128)), dtype=torch.float32, device=dev)
+            a_scale = torch.empty((a.shape[0], cdiv(N, 128)), dtype=torch.float32, device=dev)
         # With PDL, gemm2 starts while gemm1 still runs (see the module docstring): gemm1 counts its finished
         # tiles per expert, gemm2's tiles wait for their expert's count, and gemm1's row copy (if any) stays
         # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it. The
@@ -559,7 +558,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
             y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
             _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl,
-                          wait_tiles_n1=triton.cdiv(N, cfg.gemm1.block_n) if pdl else 0, a_scale=a_scale)
+                          wait_tiles_n1=cdiv(N, cfg.gemm1.block_n) if pdl else 0, a_scale=a_scale)
         _sum_slots(y, routing.inverse, out, topk, pdl)
         del rows
     return out

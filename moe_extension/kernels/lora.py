@@ -21,10 +21,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from moe_extension.kernels import _lora as kern
-from moe_extension.kernels._launch import device_guard, side_stream, sm_count
+from moe_extension.kernels._launch import cdiv, device_guard, next_power_of_2, side_stream, sm_count
 from moe_extension.kernels._routing import Routing, route
 
 # NOTE: up to this many pairs the direct schedule runs: it has no grouping launches, but reads the adapters once
@@ -64,7 +63,7 @@ def expand_epilogue_args(fused: FusedExpand | None, dummy: torch.Tensor) -> tupl
     u, b, mapping = fused
     R = b.shape[3]
     return ((u, u.stride(-2), b, *b.stride(), mapping, mapping.stride(0), b.shape[0], R),
-            dict(LORA=True, BLOCK_R=triton.next_power_of_2(R)))
+            dict(LORA=True, BLOCK_R=next_power_of_2(R)))
 
 
 def lora_block_m(num_pairs: int, num_groups: int) -> int:
@@ -87,8 +86,8 @@ def expand_tiles(nout: int) -> tuple[int, int, int]:
     call (harness.time_graph_us); the product has no switch for it (its figures: python benchmarks/bench_lora.py,
     columns add_w13_us and add_w2_us)."""
     block_n = 128
-    tiles = triton.cdiv(nout, block_n)
-    return block_n, triton.cdiv(tiles, min(5, tiles)), 4
+    tiles = cdiv(nout, block_n)
+    return block_n, cdiv(tiles, min(5, tiles)), 4
 
 
 def _slot_args(topk_ids, expert_map, mapping, num_experts, num_adapters) -> tuple:
@@ -108,7 +107,7 @@ def lora_plan(topk_ids, token_lora_mapping, num_adapters: int, num_experts: int,
     if schedule == "direct" or P == 0:
         return LoraPlan("direct", None, slot_args, *sizes)
     groups = torch.empty_like(topk_ids, dtype=torch.int32, memory_format=torch.contiguous_format)
-    kern.lora_group_ids_kernel[(triton.cdiv(P, _GROUP_IDS_BLOCK),)](*slot_args, groups, BLOCK=_GROUP_IDS_BLOCK)
+    kern.lora_group_ids_kernel[(cdiv(P, _GROUP_IDS_BLOCK),)](*slot_args, groups, BLOCK=_GROUP_IDS_BLOCK)
     num_groups = num_adapters * num_experts
     routing = route(groups, num_groups, lora_block_m(P, num_groups))
     return LoraPlan("grouped", routing, slot_args, *sizes)
@@ -148,10 +147,10 @@ def _shrink(plan: LoraPlan, x, lora_a, u, sorted_out: bool) -> None:
         # by a sweep that replaced this launch around CUDA-graph timings of the class (harness.time_graph_us); the
         # product has no switch for it (its figure: python benchmarks/bench_lora.py --tokens 1).
         kern.lora_shrink_direct_kernel[(plan.num_pairs, R)](
-            *x_args, *plan.slot_args, R, K, BLOCK_R=1, BLOCK_K=min(4096, triton.next_power_of_2(K)), num_warps=4)
+            *x_args, *plan.slot_args, R, K, BLOCK_R=1, BLOCK_K=min(4096, next_power_of_2(K)), num_warps=4)
         return
     routing = plan.routing
-    block_r = max(16, triton.next_power_of_2(R))
+    block_r = max(16, next_power_of_2(R))
     kern.lora_shrink_grouped_kernel[(_programs(routing),)](
         *x_args, routing.sorted_pairs, routing.block_expert, routing.max_blocks, plan.num_pairs,
         plan.topk, plan.num_experts, R, K, SORTED_OUT=sorted_out, F32=not _native_dot(x, lora_a),
@@ -164,16 +163,16 @@ def _expand(plan: LoraPlan, out, u, lora_b, topk_weights, sorted_in: bool) -> No
     w = topk_weights if topk_weights is not None else u
     w_strides = (topk_weights.stride(0), topk_weights.stride(1)) if topk_weights is not None else (0, 0)
     args = (out, out.stride(0), out.stride(1), out.stride(2), u, u.stride(-2), lora_b, *lora_b.stride(), w, *w_strides)
-    block_r = max(16, triton.next_power_of_2(R))
+    block_r = max(16, next_power_of_2(R))
     if plan.schedule == "direct":
-        block_n = max(16, min(4096 // block_r, triton.next_power_of_2(NOUT)))
-        kern.lora_expand_direct_kernel[(plan.num_pairs, triton.cdiv(NOUT, block_n))](
+        block_n = max(16, min(4096 // block_r, next_power_of_2(NOUT)))
+        kern.lora_expand_direct_kernel[(plan.num_pairs, cdiv(NOUT, block_n))](
             *args, *plan.slot_args, R, NOUT, HAS_W=topk_weights is not None, BLOCK_N=block_n,
-            BLOCK_R=triton.next_power_of_2(R), num_warps=4)
+            BLOCK_R=next_power_of_2(R), num_warps=4)
         return
     routing = plan.routing
     block_n, tiles, num_warps = expand_tiles(NOUT)
-    kern.lora_expand_grouped_kernel[(_programs(routing), triton.cdiv(triton.cdiv(NOUT, block_n), tiles))](
+    kern.lora_expand_grouped_kernel[(_programs(routing), cdiv(cdiv(NOUT, block_n), tiles))](
         *args, routing.sorted_pairs, routing.block_expert, routing.max_blocks, plan.num_pairs, plan.topk,
         plan.num_experts, R, NOUT, SORTED_IN=sorted_in, HAS_W=topk_weights is not None, MODE=_expand_mode(lora_b),
         BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_R=block_r, TILES=tiles, num_warps=num_warps, num_stages=3)

@@ -20,13 +20,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_extension.ops.arg_checks import require, require_type
+
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "swiglustep")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
     """csrc/checks.h last_dim_contiguous, for the fakes of the native ops (activations, moe_sum)."""
-    torch._check(
+    require(
         t.shape[-1] <= 1 or t.stride(-1) == 1,
         lambda: f"{op}: {name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}",
     )
@@ -34,27 +36,27 @@ def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
 
 def _check_activation(op: str, out: torch.Tensor, input: torch.Tensor) -> None:
     """The checks of csrc/checks.h (activation_args), same order, types and messages."""
-    torch._check(input.dim() >= 1, lambda: f"{op}: input must have at least 1 dim [..., 2d], got 0 dims")
-    torch._check_type(
+    require(input.dim() >= 1, lambda: f"{op}: input must have at least 1 dim [..., 2d], got 0 dims")
+    require_type(
         input.dtype in _FLOAT_DTYPES,
         lambda: f"{op}: input must be float32, float16 or bfloat16, got {input.dtype}",
     )
-    torch._check_type(
+    require_type(
         out.dtype == input.dtype,
         lambda: f"{op}: out must have the dtype of input ({input.dtype}), got {out.dtype}",
     )
-    torch._check(
+    require(
         out.device == input.device,
         lambda: f"{op}: out must be on the device of input ({input.device}), got {out.device}",
     )
     width = input.shape[-1]
-    torch._check(width % 2 == 0, lambda: f"{op}: input width (last dim) must be even, got {width}")
+    require(width % 2 == 0, lambda: f"{op}: input width (last dim) must be even, got {width}")
     lead = list(input.shape[:-1])
-    torch._check(
+    require(
         out.dim() == input.dim() and list(out.shape[:-1]) == lead,
         lambda: f"{op}: out must have the leading shape of input {lead}, got {list(out.shape)}",
     )
-    torch._check(
+    require(
         out.shape[-1] == width // 2,
         lambda: f"{op}: out width (last dim) must be half the input width = {width // 2}, got {out.shape[-1]}",
     )

@@ -1,9 +1,10 @@
 """Argument validation shared by the ops' fakes and real implementations: ``ArgChecker`` and the dtypes and
 formats the routed-expert ops accept.
 
-Every check goes through ``torch._check*`` so that it also runs at trace time (bad shapes fail while
-``torch.compile`` traces, not only at run time), and every message starts with the op's name and names the
-argument and what was expected: dtype errors raise TypeError, values ValueError, shapes RuntimeError.
+Every check goes through ``require*`` (``torch._check*`` for anything but a plain True) so that it also runs at
+trace time (bad shapes fail while ``torch.compile`` traces, not only at run time), and every message starts
+with the op's name and names the argument and what was expected: dtype errors raise TypeError, values
+ValueError, shapes RuntimeError.
 """
 
 from __future__ import annotations
@@ -27,6 +28,30 @@ WEIGHT_DTYPES = {"fp8_block": (torch.float8_e4m3fn,), "mxfp4": (torch.uint8,), "
 SCALE_DTYPES = {"fp8_block": (torch.float32, torch.uint8), "mxfp4": (torch.uint8,), "mxfp4_mma": (torch.uint8,)}
 
 
+# NOTE: torch._check* cost about 3 us a call even when the condition holds (it asks the symbolic-shapes module
+# whether the condition is symbolic); fused_experts' checks make about 60 of them, so on the 2-core CPU dev
+# machine ``check_fused_experts`` took 227 us per call for gpt-oss-120b MXFP4 (MMA layout) at M = 1 (its GPU
+# time in a CUDA graph: 40 us). A plain True returns at once; False and symbolic conditions (tracing) go
+# through torch._check*, which raises or records them as before (``benchmarks/bench_host.py`` measures
+# the call's host time on a GPU machine).
+def require(cond, message) -> None:
+    """``torch._check`` (RuntimeError) unless ``cond`` is a plain True."""
+    if cond is not True:
+        torch._check(cond, message)
+
+
+def require_value(cond, message) -> None:
+    """``torch._check_value`` (ValueError) unless ``cond`` is a plain True."""
+    if cond is not True:
+        torch._check_value(cond, message)
+
+
+def require_type(cond, message) -> None:
+    """``torch._check_type`` (TypeError) unless ``cond`` is a plain True."""
+    if cond is not True:
+        torch._check_type(cond, message)
+
+
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
 
@@ -42,15 +67,15 @@ class ArgChecker:
         self.op, self.ref_name, self.device = op, ref_name, ref.device
 
     def name(self, arg: str, value: str, allowed: Sequence[str]) -> None:
-        torch._check_value(
+        require_value(
             value in allowed, lambda: f"{self.op}: {arg} must be one of {tuple(allowed)}, got {value!r}"
         )
 
     def _dtype_and_device(self, arg: str, t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
-        torch._check_type(
+        require_type(
             t.dtype in dtypes, lambda: f"{self.op}: {arg} must have dtype {_dtype_names(dtypes)}, got {t.dtype}"
         )
-        torch._check(
+        require(
             t.device == self.device,
             lambda: f"{self.op}: {arg} must be on the device of {self.ref_name} ({self.device}), got {t.device}",
         )
@@ -63,30 +88,30 @@ class ArgChecker:
             want = ", ".join(str(s) for s in shape)
             return f"{self.op}: {arg} must have shape {layout} = [{want}], got {list(t.shape)}"
 
-        torch._check(t.dim() == len(shape), message)
+        require(t.dim() == len(shape), message)
         for have, want in zip(t.shape, shape):
-            torch._check(have == want, message)
+            require(have == want, message)
 
     def rank(self, arg: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], layout: str) -> None:
         """dtype, device and number of dims only (for the tensors the sizes are read from)."""
         self._dtype_and_device(arg, t, dtypes)
         ndim = layout.count(",") + 1
-        torch._check(t.dim() == ndim, lambda: f"{self.op}: {arg} must be {ndim}-D {layout}, got shape {list(t.shape)}")
+        require(t.dim() == ndim, lambda: f"{self.op}: {arg} must be {ndim}-D {layout}, got shape {list(t.shape)}")
 
     def mxfp4_dim(self, what: str, size) -> None:
-        torch._check_value(
+        require_value(
             size % MXFP4_BLOCK == 0,
             lambda: f"{self.op}: quant='mxfp4' needs {what} to be a multiple of {MXFP4_BLOCK}, got {size}",
         )
 
     def _mma_layout(self, arg: str, t: torch.Tensor, rows, cols) -> None:
         """quant='mxfp4_mma': whole bands and chunks, contiguous (``moe_extension.quant.mxfp4_mma``)."""
-        torch._check_value(
+        require_value(
             rows % MMA_ROWS == 0 and cols % MMA_COLS == 0,
             lambda: f"{self.op}: quant='mxfp4_mma' needs {arg}'s rows % {MMA_ROWS} == 0 and cols % {MMA_COLS} == 0, "
             f"got rows {rows}, cols {cols} (use quant='mxfp4' for this shape)",
         )
-        torch._check_value(
+        require_value(
             t.is_contiguous(),
             lambda: f"{self.op}: quant='mxfp4_mma' needs {arg} contiguous (prepare_mxfp4_mma's output), got strides "
             f"{t.stride()}",
@@ -106,13 +131,13 @@ class ArgChecker:
     def scale(self, arg: str, s: torch.Tensor | None, quant: str, shape, weight_arg: str) -> None:
         """The scales of a weight stack of logical shape ``shape = (E, rows, cols)``, as ``quant`` lays them out."""
         if quant == "none":
-            torch._check_value(
+            require_value(
                 s is None,
                 lambda: f"{self.op}: {arg} is only used with a quantized format (quant='fp8_block', 'mxfp4' or "
             "'mxfp4_mma'), got quant='none'",
             )
             return
-        torch._check_value(
+        require_value(
             s is not None, lambda: f"{self.op}: quant={quant!r} needs {arg} (the {weight_arg} scales)"
         )
         e, rows, cols = shape
@@ -135,7 +160,7 @@ class ArgChecker:
         self.rank("topk_ids", topk_ids, ID_DTYPES, "[M, topk]")
         topk = topk_ids.shape[1] if topk is None else topk
         self.tensor("topk_ids", topk_ids, ID_DTYPES, "[M, topk]", (m, topk))
-        torch._check(topk >= 1, lambda: f"{self.op}: topk_ids must have topk >= 1 columns, got 0")
+        require(topk >= 1, lambda: f"{self.op}: topk_ids must have topk >= 1 columns, got 0")
         if topk_weights is not None:
             self.tensor("topk_weights", topk_weights, (torch.float32,), "[M, topk] like topk_ids", (m, topk))
 
@@ -143,6 +168,6 @@ class ArgChecker:
         if expert_map is None:
             return
         self.rank("expert_map", expert_map, (torch.int32,), "[E_global]")
-        torch._check(
+        require(
             expert_map.shape[0] >= 1, lambda: f"{self.op}: expert_map must have E_global >= 1 entries, got 0"
         )

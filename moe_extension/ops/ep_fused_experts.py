@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_extension.ops.arg_checks import require_value
 from moe_extension.ops.fused_experts import check_experts
 
 DISPATCH_DTYPES = ("auto", "fp8")
@@ -41,7 +42,7 @@ def check_ep_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, expert
     c.routing(topk_ids, topk_weights, m)
     c.tensor("expert_owner", expert_owner, (torch.int32,), "[E_global] like expert_map", (expert_map.shape[0],))
     c.name("dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
-    torch._check_value(
+    require_value(
         capacity is None or capacity >= 1,
         lambda: f"{OP}: capacity must be None (exact row counts) or >= 1 rows per rank pair, got {capacity}",
     )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from moe_extension.ops.arg_checks import (FLOAT_DTYPES, MXFP4_QUANTS, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES,
-                                          ArgChecker)
+                                          ArgChecker, require)
 from moe_extension.quant.fp8_block import dequantize_fp8_block, fake_quantize_fp8_per_token_group
 from moe_extension.quant.mxfp4 import dequantize_mxfp4
 from moe_extension.quant.mxfp4_mma import dequantize_mxfp4_mma
@@ -79,7 +79,7 @@ def check_expert_gemm2(intermediate, w2, topk_ids, w2_bias, expert_map, topk_wei
 def _check_lora(c: ArgChecker, x, lora_a, lora_b, token_lora_mapping, num_experts: int, rows: int, m: int) -> None:
     """The optional LoRA term of either GEMM: all three arguments or none (``ops.lora.check_lora_term``)."""
     given = [t is not None for t in (lora_a, lora_b, token_lora_mapping)]
-    torch._check(all(given) or not any(given), lambda: (
+    require(all(given) or not any(given), lambda: (
         f"{c.op}: lora_a, lora_b and token_lora_mapping go together (all three or none), got "
         + ", ".join(f"{n}={'a tensor' if g else 'None'}" for n, g in zip(("lora_a", "lora_b", "token_lora_mapping"),
                                                                         given))))

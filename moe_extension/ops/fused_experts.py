@@ -29,7 +29,7 @@ import torch
 from moe_extension.backends import deep_gemm
 from moe_extension.ops.activations import ACTIVATIONS, activation_torch
 from moe_extension.ops.arg_checks import (FLOAT_DTYPES, MXFP4_QUANTS, QUANT_FORMATS, TRITON_QUANT, WEIGHT_DTYPES,
-                                          ArgChecker)
+                                          ArgChecker, require, require_value)
 from moe_extension.ops.expert_gemm import ExpertWeights, group_by_expert
 
 BACKENDS = ("auto", "torch", "triton", "triton_kernels", "deep_gemm")
@@ -44,11 +44,11 @@ def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, exper
     c.name("backend", backend, BACKENDS)
     if backend not in ("auto", "torch"):
         supported = {"deep_gemm": ("fp8_block",), "triton_kernels": ("none", "mxfp4")}.get(backend, TRITON_QUANT)
-        torch._check_value(
+        require_value(
             hidden_states.device.type == "cuda",
             lambda: f"{op}: backend={backend!r} needs CUDA tensors, got hidden_states on {hidden_states.device}",
         )
-        torch._check_value(
+        require_value(
             quant in supported,
             lambda: f"{op}: backend={backend!r} supports quant in {supported}, got quant={quant!r} "
             "(use backend='auto' or 'torch')",
@@ -68,7 +68,7 @@ def check_experts(op, hidden_states, w1, w2, activation, w1_bias, w2_bias, exper
     c.scale("w1_scale", w1_scale, quant, (e, 2 * n, k), "w1")
     c.scale("w2_scale", w2_scale, quant, (e, k, n), "w2")
     if quant == "fp8_block":
-        torch._check_value(
+        require_value(
             w1_scale.dtype == w2_scale.dtype,
             lambda: f"{op}: w1_scale and w2_scale must both be fp32 or both uint8 UE8M0 (the scale format also sets "
             f"how the activations are quantized), got {w1_scale.dtype} and {w2_scale.dtype}",
@@ -85,13 +85,13 @@ def check_deep_gemm(op: str, w1, w2, w1_scale, w2_scale) -> None:
     """``backend="deep_gemm"``: DeepGEMM available (else RuntimeError with its reason) and its route applicable
     to these weights (else ValueError naming the rules that fail); at trace time too, by the fake."""
     reason = deep_gemm.unavailable_reason()
-    torch._check(
+    require(
         reason is None,
         lambda: f"{op}: backend='deep_gemm' needs DeepGEMM, which is not available here: {reason} "
         "(backend='auto' runs our Triton kernels without it)",
     )
     rules = deep_gemm.inapplicable_reasons(w1, w2, w1_scale, w2_scale)
-    torch._check_value(
+    require_value(
         not rules,
         lambda: f"{op}: backend='deep_gemm' does not apply to these weights: {'; '.join(rules)} "
         "(backend='auto' picks an implementation that does)",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_extension.ops.arg_checks import FLOAT_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, ArgChecker, require_value
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 MAX_EXPERTS = 512
@@ -38,22 +38,22 @@ def check_grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group:
     c = ArgChecker(op, "gating_output", gating_output)
     c.rank("gating_output", gating_output, FLOAT_DTYPES, "[M, E]")
     m, e = gating_output.shape
-    torch._check_value(e <= MAX_EXPERTS, lambda: f"{op}: gating_output must have E <= {MAX_EXPERTS} experts "
+    require_value(e <= MAX_EXPERTS, lambda: f"{op}: gating_output must have E <= {MAX_EXPERTS} experts "
                                                  f"(columns), got {e}")
     groups = num_expert_group
-    torch._check_value(groups >= 1 and e % groups == 0,
+    require_value(groups >= 1 and e % groups == 0,
                        lambda: f"{op}: num_expert_group must be >= 1 and divide E = {e}, got {groups}")
-    torch._check_value(1 <= topk_group <= groups, lambda: f"{op}: topk_group must be in [1, num_expert_group] = "
+    require_value(1 <= topk_group <= groups, lambda: f"{op}: topk_group must be in [1, num_expert_group] = "
                                                           f"[1, {groups}], got {topk_group}")
     group_size = e // groups
     most = topk_group * group_size
-    torch._check_value(1 <= topk <= most, lambda: f"{op}: topk must be in [1, topk_group * E / num_expert_group] "
+    require_value(1 <= topk <= most, lambda: f"{op}: topk must be in [1, topk_group * E / num_expert_group] "
                                                   f"= [1, {most}], got {topk}")
     c.name("scoring_func", scoring_func, SCORING_FUNCS)
     if e_score_correction_bias is not None:
         c.tensor("e_score_correction_bias", e_score_correction_bias, (torch.float32,),
                  "[E = gating_output.shape[1]]", (e,))
-        torch._check_value(
+        require_value(
             group_size >= 2,
             lambda: f"{op}: e_score_correction_bias needs E / num_expert_group >= 2 experts per group (a group's "
                     f"score is then the sum of its two largest choice scores), got {e} / {groups} = {group_size}",

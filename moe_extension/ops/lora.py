@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_extension.ops.arg_checks import FLOAT_DTYPES, ID_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, ID_DTYPES, ArgChecker, require
 from moe_extension.ops.expert_gemm import slot_experts
 
 
@@ -53,7 +53,7 @@ def _check_adapter(c: ArgChecker, arg: str, t: torch.Tensor, layout: str, **fixe
     """A stack of adapter matrices ``[L, E, rows, cols]``: any float dtype, every size >= 1; ``fixed`` gives the
     dims (by name: L, E, rows, cols) that other arguments determine."""
     c.rank(arg, t, FLOAT_DTYPES, layout)
-    torch._check(t.numel() > 0, lambda: f"{c.op}: {arg} must have L, E, rows and cols >= 1, got shape {list(t.shape)}")
+    require(t.numel() > 0, lambda: f"{c.op}: {arg} must have L, E, rows and cols >= 1, got shape {list(t.shape)}")
     shape = [fixed.get(name, size) for name, size in zip(("L", "E", "rows", "cols"), t.shape)]
     c.tensor(arg, t, FLOAT_DTYPES, layout, shape)
 

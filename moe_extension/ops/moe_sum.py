@@ -14,53 +14,54 @@ from __future__ import annotations
 import torch
 
 from moe_extension.ops.activations import check_last_dim_contiguous
+from moe_extension.ops.arg_checks import require, require_type
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
 def _dtype_check(cond: bool, message: str) -> None:
-    torch._check_type(cond, lambda: message)
+    require_type(cond, lambda: message)
 
 
 def _check_moe_sum(input, output, topk_ids, expert_map) -> None:
     """The checks of csrc/checks.h (moe_sum_args), same order, types and messages."""
     op = "moe_sum"
-    torch._check(input.dim() == 3, lambda: f"{op}: input must have 3 dims [M, topk, K], got {input.dim()} dims")
+    require(input.dim() == 3, lambda: f"{op}: input must have 3 dims [M, topk, K], got {input.dim()} dims")
     _dtype_check(input.dtype in _FLOAT_DTYPES, f"{op}: input must be float32, float16 or bfloat16, got {input.dtype}")
     _dtype_check(
         output.dtype == input.dtype,
         f"{op}: output must have the dtype of input ({input.dtype}), got {output.dtype}",
     )
-    torch._check(
+    require(
         output.device == input.device,
         lambda: f"{op}: output must be on the device of input ({input.device}), got {output.device}",
     )
     m, topk, k = input.shape
-    torch._check(
+    require(
         output.dim() == 2 and output.shape[0] == m and output.shape[1] == k,
         lambda: f"{op}: output must have shape [M, K] = [{m}, {k}], got {list(output.shape)}",
     )
     check_last_dim_contiguous(op, "input", input)
     check_last_dim_contiguous(op, "output", output)
     if topk_ids is not None:
-        torch._check(
+        require(
             topk_ids.device == input.device,
             lambda: f"{op}: topk_ids must be on the device of input ({input.device}), got {topk_ids.device}",
         )
         _dtype_check(topk_ids.dtype in _ID_DTYPES, f"{op}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
-        torch._check(
+        require(
             topk_ids.dim() == 2 and topk_ids.shape[0] == m and topk_ids.shape[1] == topk,
             lambda: f"{op}: topk_ids must have shape [M, topk] = [{m}, {topk}], got {list(topk_ids.shape)}",
         )
     if expert_map is not None:
-        torch._check(topk_ids is not None, lambda: f"{op}: expert_map needs topk_ids")
-        torch._check(
+        require(topk_ids is not None, lambda: f"{op}: expert_map needs topk_ids")
+        require(
             expert_map.device == input.device,
             lambda: f"{op}: expert_map must be on the device of input ({input.device}), got {expert_map.device}",
         )
         _dtype_check(expert_map.dtype == torch.int32, f"{op}: expert_map must be int32, got {expert_map.dtype}")
-        torch._check(
+        require(
             expert_map.dim() == 1,
             lambda: f"{op}: expert_map must have 1 dim [E_global], got {expert_map.dim()} dims",
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_extension.ops.arg_checks import FLOAT_DTYPES, ArgChecker
+from moe_extension.ops.arg_checks import FLOAT_DTYPES, ArgChecker, require_value
 
 
 def check_topk_softmax(gating_output: torch.Tensor, topk: int, op: str = "topk_softmax"):
@@ -21,8 +21,8 @@ def check_topk_softmax(gating_output: torch.Tensor, topk: int, op: str = "topk_s
     c = ArgChecker(op, "gating_output", gating_output)
     c.rank("gating_output", gating_output, FLOAT_DTYPES, "[M, E]")
     m, e = gating_output.shape
-    torch._check_value(topk >= 1, lambda: f"{op}: topk must be in [1, E] = [1, {e}], got {topk}")
-    torch._check_value(topk <= e, lambda: f"{op}: topk must be in [1, E] = [1, {e}], got {topk}")
+    require_value(topk >= 1, lambda: f"{op}: topk must be in [1, E] = [1, {e}], got {topk}")
+    require_value(topk <= e, lambda: f"{op}: topk must be in [1, E] = [1, {e}], got {topk}")
     return m, e
 
 
