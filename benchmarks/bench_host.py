@@ -4,10 +4,10 @@ An eager call costs its host time (Python, argument checks, config choice, the l
 whichever is longer, and from an idle GPU both add up to the first launch. With the GPU held busy by a sleep
 kernel, ``host_us`` is the wall time per call of ``--calls`` calls issued back to back (the sleep outlasts them:
 checked, else the cell says so), the least of 7 such samples (``host_median_us``: their median); ``gpu_us`` is
-the call replayed in a CUDA graph; ``eager_idle_us`` one call from an idle GPU (CUDA events around it). Cells: the DeepSeek-V3 layer's 64-expert shard (E 64, topk 8, K 7168,
-N 2048, silu) in bf16 and fp8 block, and gpt-oss-120b (E 128, topk 4, K = N = 2880, swigluoai) in MXFP4
-(the MMA layout, prepared once), M in ``--tokens``. ``--profile`` adds the cProfile lines of the slowest
-functions per cell (own time) to the output.
+the call replayed in a CUDA graph; ``eager_idle_us`` one call from an idle GPU (CUDA events around it).
+Cells: the DeepSeek-V3 layer's 64-expert shard (E 64, topk 8, K 7168, N 2048, silu) in bf16 and fp8 block, and
+gpt-oss-120b (E 128, topk 4, K = N = 2880, swigluoai) in MXFP4 (the MMA layout, prepared once), M in
+``--tokens``. ``--profile`` adds the cProfile lines of the slowest functions per cell (own time) to the output.
 
     python benchmarks/bench_host.py [--tokens 1 128 4096] [--calls 20] [--profile] [--out DIR]
 
