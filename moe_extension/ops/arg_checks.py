@@ -32,8 +32,9 @@ SCALE_DTYPES = {"fp8_block": (torch.float32, torch.uint8), "mxfp4": (torch.uint8
 # whether the condition is symbolic); fused_experts' checks make about 60 of them, so on the 2-core CPU dev
 # machine ``check_fused_experts`` took 227 us per call for gpt-oss-120b MXFP4 (MMA layout) at M = 1 (its GPU
 # time in a CUDA graph: 40 us). A plain True returns at once; False and symbolic conditions (tracing) go
-# through torch._check*, which raises or records them as before (``benchmarks/bench_host.py`` measures
-# the call's host time on a GPU machine).
+# through torch._check*, which raises or records them as before. With the plain-int launch arithmetic
+# (``_launch.cdiv``), that call's host time on the H100 machine went from 535 to 239-259 us
+# (``benchmarks/results/ab_host_checks_h100.txt``; ``python benchmarks/bench_host.py --tokens 1 128``).
 def require(cond, message) -> None:
     """``torch._check`` (RuntimeError) unless ``cond`` is a plain True."""
     if cond is not True:
