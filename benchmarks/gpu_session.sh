@@ -4,7 +4,8 @@
 # `.whl` (an expecttest wheel) and `.deps` (triton_kernels; docs/benchmarks.md says how to get both) with the run.
 #   usage: bash benchmarks/gpu_session.sh [build] [tests[=PYTEST_ARGS]] [main] [native] [experts] [tune] ...
 # Steps run in the order given; "all" = build tests main native experts. Each step stops after
-# STEP_TIMEOUT seconds (default 300). On 8 workers (pytest-xdist from .whl):
+# STEP_TIMEOUT seconds (default 300); the tests log a line per test (-v), so a run cut off by it still names its
+# failures, and starts with the run's MOE_TEST_SEED (tests/conftest.py). On 8 workers (pytest-xdist from .whl):
 #   tests="-n 8 --dist loadgroup tests"   (loadgroup: the memory-heavy cases one at a time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ for step in "${steps[@]}"; do
       python3 -c "import moe_extension as m; print('WITH_CUDA', m.WITH_CUDA, 'archs', m.CUDA_ARCHS)";;
     tests|tests=*)
       args=${step#tests}; args=${args#=}
-      timeout "${STEP_TIMEOUT:-300}" python3 -m pytest -q -ra --durations=15 ${args:-tests} >"$OUT/tests.log" 2>&1 || status=1
+      timeout "${STEP_TIMEOUT:-300}" python3 -m pytest -v -ra --durations=15 ${args:-tests} >"$OUT/tests.log" 2>&1 || status=1
       tail -60 "$OUT/tests.log";;
     main)
       timeout "${STEP_TIMEOUT:-300}" python3 -m moe_extension 2>&1 | tee "$OUT/main_job.log" || status=1;;
