@@ -39,16 +39,16 @@ def check_grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group:
     c.rank("gating_output", gating_output, FLOAT_DTYPES, "[M, E]")
     m, e = gating_output.shape
     require_value(e <= MAX_EXPERTS, lambda: f"{op}: gating_output must have E <= {MAX_EXPERTS} experts "
-                                                 f"(columns), got {e}")
+                                            f"(columns), got {e}")
     groups = num_expert_group
     require_value(groups >= 1 and e % groups == 0,
-                       lambda: f"{op}: num_expert_group must be >= 1 and divide E = {e}, got {groups}")
+                  lambda: f"{op}: num_expert_group must be >= 1 and divide E = {e}, got {groups}")
     require_value(1 <= topk_group <= groups, lambda: f"{op}: topk_group must be in [1, num_expert_group] = "
-                                                          f"[1, {groups}], got {topk_group}")
+                                                     f"[1, {groups}], got {topk_group}")
     group_size = e // groups
     most = topk_group * group_size
     require_value(1 <= topk <= most, lambda: f"{op}: topk must be in [1, topk_group * E / num_expert_group] "
-                                                  f"= [1, {most}], got {topk}")
+                                             f"= [1, {most}], got {topk}")
     c.name("scoring_func", scoring_func, SCORING_FUNCS)
     if e_score_correction_bias is not None:
         c.tensor("e_score_correction_bias", e_score_correction_bias, (torch.float32,),
