@@ -1,0 +1,39 @@
+"""tests/conftest.py's seeding: a run prints MOE_TEST_SEED before its first test, the same seed draws the same
+random inputs again, and another seed (or none) draws new ones. Runs pytest in a subprocess on a copy of the
+conftest beside a test that prints a random draw."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = '''
+import torch
+
+def test_draw():
+    print("DRAW", float(torch.rand(1)))
+'''
+
+
+def _run(folder: Path, seed: str | None) -> tuple[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MOE_TEST_SEED"}
+    if seed is not None:
+        env["MOE_TEST_SEED"] = seed
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(folder)],
+                         capture_output=True, text=True, env=env, cwd=folder, timeout=300).stdout
+    printed = re.search(r"^MOE_TEST_SEED=(\d+) ", out, re.M)
+    draw = re.search(r"^DRAW (\S+)$", out, re.M) or re.search(r"DRAW (\S+)", out)
+    assert printed and draw, out
+    return printed.group(1), draw.group(1)
+
+
+def test_seed_printed_and_reproducible(tmp_path):
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    seed, first = _run(tmp_path, "5")
+    assert (seed, first) == ("5", _run(tmp_path, "5")[1])
+    assert _run(tmp_path, "6")[1] != first
+    drawn_seed, drawn = _run(tmp_path, None)
+    assert _run(tmp_path, drawn_seed)[1] == drawn
