@@ -27,36 +27,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+_DEEPSEEK_SHARD = {"E": 64, "topk": 8, "K": 7168, "N": 2048, "activation": "silu"}
 CELLS = {
-    "deepseek-v3-e64-bf16": {"E": 64, "topk": 8, "K": 7168, "N": 2048, "activation": "silu", "quant": "none"},
-    "deepseek-v3-e64-fp8_block": {"E": 64, "topk": 8, "K": 7168, "N": 2048, "activation": "silu", "quant": "fp8_block"},
+    "deepseek-v3-e64-bf16": {**_DEEPSEEK_SHARD, "quant": "none"},
+    "deepseek-v3-e64-fp8_block": {**_DEEPSEEK_SHARD, "quant": "fp8_block"},
     "gpt-oss-120b-mxfp4": {"E": 128, "topk": 4, "K": 2880, "N": 2880, "activation": "swigluoai", "quant": "mxfp4_mma"},
 }
 
 
-def make_layer(torch, cell: dict, device) -> dict:
+def make_layer(cell: dict, device) -> dict:
+    """The cell's weights (and scales): bf16 and fp8 block as ``bench_ep`` draws them, MXFP4 prepared once."""
     E, K, N, quant = cell["E"], cell["K"], cell["N"], cell["quant"]
-    if quant == "fp8_block":
-        from harness import random_fp8_block_stack
+    if quant != "mxfp4_mma":
+        from bench_ep import make_weights
 
-        w1, s1 = random_fp8_block_stack(E, 2 * N, K, device, seed=1)
-        w2, s2 = random_fp8_block_stack(E, K, N, device, seed=2)
-        return {"w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2}
-    if quant == "mxfp4_mma":
-        from harness import random_mxfp4_stack
+        return make_weights(E, K, N, quant, device)
+    from harness import random_mxfp4_stack
 
-        from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
+    from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
 
-        p1, s1, _ = random_mxfp4_stack(E, 2 * N, K, device)
-        p2, s2, _ = random_mxfp4_stack(E, K, N, device)
-        w1, s1 = prepare_mxfp4_mma(p1, s1)
-        w2, s2 = prepare_mxfp4_mma(p2, s2)
-        return {"w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2}
-    return {"w1": torch.randn(E, 2 * N, K, dtype=torch.bfloat16, device=device) / K ** 0.5,
-                "w2": torch.randn(E, K, N, dtype=torch.bfloat16, device=device) / N ** 0.5}
+    w1, s1 = prepare_mxfp4_mma(*random_mxfp4_stack(E, 2 * N, K, device)[:2])
+    w2, s2 = prepare_mxfp4_mma(*random_mxfp4_stack(E, K, N, device)[:2])
+    return {"w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2}
 
 
-def measure(torch, cell: dict, layer: dict, M: int, calls: int, profile: bool) -> dict:
+def measure(cell: dict, layer: dict, M: int, calls: int, profile: bool) -> dict:
+    import torch
     from harness import time_graph_us
 
     device = layer["w1"].device
@@ -83,39 +79,36 @@ def measure(torch, cell: dict, layer: dict, M: int, calls: int, profile: bool) -
         torch.cuda.synchronize()
         idle.append(a.elapsed_time(b) * 1e3)
 
-    def host_us(fn) -> tuple[float, bool]:
+    def host_us(prof: cProfile.Profile | None = None) -> tuple[float, bool]:
+        """(us per call issued behind a sleep kernel, whether the sleep outlasted the calls); under ``prof``."""
         torch.cuda.synchronize()
         torch.cuda._sleep(600_000_000)  # ~0.35 s of GPU cycles: the calls queue behind it
         busy = torch.cuda.Event()
         busy.record()
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         for _ in range(calls):
-            fn()
+            call()
         t = (time.perf_counter() - t0) / calls * 1e6
+        if prof is not None:
+            prof.disable()
         held = not busy.query()  # the sleep still running: no call waited for the GPU
         torch.cuda.synchronize()
         return t, held
 
-    samples = [host_us(call) for _ in range(7)]
+    samples = [host_us() for _ in range(7)]
     # the least of the samples: interference (other processes, the collector) only adds time
     res = {"M": M, "host_us": min(t for t, _ in samples), "host_median_us": statistics.median(t for t, _ in samples),
            "host_measured_with_gpu_busy": all(h for _, h in samples),
            "eager_idle_us": statistics.median(idle), "gpu_us": time_graph_us(call, reps=5, replays=10)}
     if profile:
         prof = cProfile.Profile()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(600_000_000)
-        prof.enable()
-        for _ in range(calls):
-            call()
-        prof.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        res["profile_tottime"] = s.getvalue()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
-        res["profile_cumulative"] = s.getvalue()
+        host_us(prof)
+        for key, order, lines in (("profile_tottime", "tottime", 25), ("profile_cumulative", "cumulative", 40)):
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats(order).print_stats(lines)
+            res[key] = s.getvalue()
     return res
 
 
@@ -140,9 +133,9 @@ def main(argv=None) -> int:
     rows = []
     for name in args.cells:
         cell = CELLS[name]
-        layer = make_layer(torch, cell, device)
+        layer = make_layer(cell, device)
         for M in args.tokens:
-            r = {"cell": name, **cell, **measure(torch, cell, layer, M, args.calls, args.profile)}
+            r = {"cell": name, **cell, **measure(cell, layer, M, args.calls, args.profile)}
             print(f"{name} M={M} host {r['host_us']:.1f} us (GPU busy throughout: "
                   f"{r['host_measured_with_gpu_busy']}), eager from idle {r['eager_idle_us']:.1f} us, "
                   f"graph {r['gpu_us']:.1f} us", flush=True)
