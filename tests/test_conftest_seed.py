@@ -24,7 +24,7 @@ def _run(folder: Path, seed: str | None) -> tuple[str, str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(folder)],
                          capture_output=True, text=True, env=env, cwd=folder, timeout=300).stdout
     printed = re.search(r"^MOE_TEST_SEED=(\d+) ", out, re.M)
-    draw = re.search(r"^DRAW (\S+)$", out, re.M) or re.search(r"DRAW (\S+)", out)
+    draw = re.search(r"DRAW (\S+)", out)
     assert printed and draw, out
     return printed.group(1), draw.group(1)
 
