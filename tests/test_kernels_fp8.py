@@ -314,6 +314,30 @@ def test_expert_gemms_match_torch(name, on_input, dtype, transposed, ue8m0):
 
 
 @interpreted
+@pytest.mark.parametrize("name", ["direct", "direct_split"])
+def test_direct_slot_sum_over_the_valid_slots(poisoned, name):  # noqa: F811  (the fixture)
+    """The direct second GEMV sums only a token's valid slots (the programs of the others exit): tokens with no valid
+    slot (exactly 0), with one (first, last or middle slot: the program that writes it alone, or with a split the one
+    that counts last), with several and with all, against the PyTorch implementation; NaN-poisoned workspaces and
+    output, NaN router weights on the invalid slots."""
+    E, K, N, topk = 6, 200, 256, 4
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=13)
+    ids = torch.tensor([[-1, -1, -1, -1], [2, -1, -1, -1], [-1, -1, -1, 5], [-1, 3, 9, -1], [1, -1, 4, 0],
+                        [0, 1, 2, 3], [7, -1, 6, -1]], dtype=torch.int32)
+    emap = torch.tensor([0, 1, 2, 3, 4, 5, -1, 1, -1, 3], dtype=torch.int32)  # ids 6 and 8 elsewhere, 9 -> 3
+    M = ids.shape[0]
+    valid = valid_slots(ids, emap, E)
+    assert valid.sum(dim=1).tolist() == [0, 1, 1, 2, 3, 4, 1]
+    g = torch.rand(M, topk).masked_fill(~valid, float("nan"))
+    x = torch.randn(M, K)
+    cfg = checked_config(name, x.dtype, N, K, topk)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, quant="fp8_block", w1_scale=s1, w2_scale=s2)
+    out = fused_experts_triton(x, w1, w2, g, ids, "silu", config=cfg, **kw)
+    assert out.isfinite().all() and (out[0] == 0).all()
+    assert rel_err(out, fused_experts_torch(x, w1, w2, g, ids, "silu", **kw)) <= TOLS[x.dtype]
+
+
+@interpreted
 @pytest.mark.parametrize("name", ["sorted_split", "direct_split"])
 @pytest.mark.parametrize("K,N", [(200, 0), (0, 160)])
 def test_empty_hidden_or_intermediate(name, K, N):
@@ -397,6 +421,57 @@ def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
             assert g.block_k == 128 and 64 <= mult * g.block_n <= 256
     assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
     assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg
+
+
+def test_direct_gemv_splits_follow_the_local_pairs():
+    """The direct tensor-core GEMVs split each reduction while twice its programs fit on the GPU at once: the
+    table's tuned DeepSeek-V3 entry at M = 1 for the whole layer (8 local pairs: gemv1 split 2, gemv2 unsplit), and
+    for an expert-parallel shard (32 of 256 experts: 1 local pair expected) splits that give that pair's 16 gemv1
+    tiles and 112 gemv2 tiles as many programs. ``local_pairs`` comes from the expert_map; a tuned direct entry,
+    sized for all pairs, is not used for a shard."""
+    dev = torch.device("cpu")
+    layer = configs.get_config(1, 256, 2048, 7168, 8, torch.bfloat16, True, True, dev, "fp8_block")
+    shard = configs.get_config(1, 32, 2048, 7168, 8, torch.bfloat16, True, True, dev, "fp8_block", local_pairs=1)
+    assert layer.path == shard.path == "direct"
+    assert (layer.gemm1.split_k, layer.gemm2.split_k) == (2, 1)
+    assert (shard.gemm1.split_k, shard.gemm2.split_k) == (16, 4)
+    assert fe.local_pairs(1, 8, 32, None) is None and fe.local_pairs(1, 8, 256, torch.zeros(256)) is None
+    assert fe.local_pairs(1, 8, 32, torch.zeros(256)) == 1 and fe.local_pairs(4, 8, 32, torch.zeros(256)) == 4
+    assert fe.local_pairs(1, 2, 4, torch.zeros(256)) == 1, "at least one pair"
+    h100 = configs._load_table("NVIDIA H100 80GB HBM3")
+    tuned = h100["E=256,N=2048,K=7168,topk=8,dtype=bfloat16,w1=row,w2=row,quant=fp8_block"][1]
+    assert tuned.path == "direct" and (tuned.gemm1.split_k, tuned.gemm2.split_k) == (2, 1)
+    get = configs.get_config.__wrapped__
+    monkey = configs._device_facts
+    try:
+        configs._device_facts = lambda device: ("NVIDIA H100 80GB HBM3", 132)
+        key = (1, 256, 2048, 7168, 8, torch.bfloat16, True, True, dev, "fp8_block")
+        assert get(*key) == tuned
+        assert get(*key, local_pairs=1) == configs.sanitize(
+            configs.dot_gemv_direct(1, 2048, 7168, 132, "fp8_block"), torch.bfloat16, 2048, 7168, 8, "fp8_block")
+    finally:
+        configs._device_facts = monkey
+
+
+def test_l2_prefetch_rule(monkeypatch):
+    """The direct first GEMV prefetches the second GEMM's weights into L2 on the GPU when they are 1-byte elements
+    stored contiguously (fp8 block, MXFP4's MMA layout) and the expected pairs' experts fit in half the L2; never in
+    the interpreter, for 16-bit weights, strided views or more bytes."""
+    from moe_extension.quant import quantize_mxfp4
+    from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
+
+    w2, s2 = fp8_experts(4, 256, 128, seed=1)[2:4]  # 256 x 128 e4m3 per expert: 32 KiB
+    mma = prepare_mxfp4_mma(*quantize_mxfp4(torch.randn(4, 256, 128)))
+    assert fe.l2_prefetch(fe.WeightOperand(w2, s2, "fp8_block"), 1) is None, "not in the interpreter"
+    monkeypatch.setattr(fe, "_ptx", lambda device: True)
+    monkeypatch.setattr(fe, "l2_bytes", lambda device: 4 * 32 * 1024)
+    fp8 = fe.WeightOperand(w2, s2, "fp8_block")
+    assert fe.l2_prefetch(fp8, 2) is w2 and fe.l2_prefetch(fp8, 3) is None
+    assert fe.l2_prefetch(fe.WeightOperand(*mma, "mxfp4_mma"), 2) is mma[0]
+    strided = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    assert fe.l2_prefetch(fe.WeightOperand(strided, s2, "fp8_block"), 1) is None
+    assert fe.l2_prefetch(fe.WeightOperand.of(torch.randn(4, 256, 64, dtype=torch.bfloat16)), 1) is None
+    assert fe.l2_prefetch(fe.WeightOperand(w2[:0], s2[:0], "fp8_block"), 1) is None
 
 
 def test_heuristic_forced_schedule():

@@ -157,8 +157,10 @@ def _nearest_bucket(buckets, M: int) -> int:
 
 @functools.lru_cache(maxsize=8192)
 def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
-               device: torch.device, quant: str = "none") -> MoeConfig:
-    """Tuned entry for this device if the table has the key, else the heuristic; always sanitized.
+               device: torch.device, quant: str = "none", local_pairs: int | None = None) -> MoeConfig:
+    """Tuned entry for this device if the table has the key, else the heuristic; always sanitized. ``local_pairs``:
+    the (token, slot) pairs expected on these E experts when an expert-parallel shard holds them (None: M * topk),
+    which sizes the split reductions of the direct tensor-core GEMVs (``dot_gemv_direct``).
 
     NOTE: memoized: eager forwards pay a dict lookup, not the table search and sanitizing (~tens of us).
     """
@@ -166,10 +168,11 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1
     per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row, quant), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
     usable = [b for b, c in per_m.items() if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
-    if usable:
-        cfg = per_m[_nearest_bucket(usable, M)]
-    else:
-        cfg = heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant)
+    cfg = per_m[_nearest_bucket(usable, M)] if usable else None
+    if cfg is None or (cfg.path == "direct" and local_pairs is not None and quant in DOT_GEMV_QUANTS):
+        # (the tuner's pairs are all local: a tensor-core GEMV entry's splits do not carry over to a shard's few)
+        cfg = heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant,
+                               path=None if cfg is None else "direct", local_pairs=local_pairs)
     return sanitize(cfg, dtype, N, K, topk, quant)
 
 
@@ -190,13 +193,15 @@ def _pow2_floor(x: int) -> int:
 
 
 def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
-                     num_sms: int = 132, quant: str = "none", path: str | None = None) -> MoeConfig:
-    """The untuned config of a call; ``path`` ("direct" / "sorted") forces the schedule (None: ``use_direct``)."""
+                     num_sms: int = 132, quant: str = "none", path: str | None = None,
+                     local_pairs: int | None = None) -> MoeConfig:
+    """The untuned config of a call; ``path`` ("direct" / "sorted") forces the schedule (None: ``use_direct``);
+    ``local_pairs`` as in ``get_config``."""
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
     direct = use_direct(M, E, topk) if path is None else path == "direct"
     if quant in DOT_GEMV_QUANTS and direct:
-        return dot_gemv_direct(P, N, K, num_sms, quant)
+        return dot_gemv_direct(P if local_pairs is None else max(1, local_pairs), N, K, num_sms, quant)
     if direct and quant not in DOT_GEMV_QUANTS:
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
@@ -376,29 +381,49 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
 DOT_GEMV_QUANTS = ("mxfp4_mma", "fp8_block")
 
 
-def dot_gemv_direct(P: int, N: int, K: int, num_sms: int, quant: str = "mxfp4_mma") -> MoeConfig:
-    """The direct schedule of the formats of DOT_GEMV_QUANTS (``_gemv_dot``: no routing, per-pair tensor-core GEMVs):
-    128 weight rows on 4 warps per tile (gemm1: 64 columns of gate and up), 128-column steps, each reduction split
-    until there are two programs per SM. fp8 block: gemm1 128 columns (256 rows, see ``fp8_gemv_tiles``), gemm2 64
-    rows in 4 stages.
-    NOTE: H100, gpt-oss-120b M = 1, the tuner's direct candidates (``python benchmarks/tune_fused_experts.py --quant
-    mxfp4_mma --tokens 1``): gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1); gemv2
-    split 4 15.5 us (split 2 16.7, split 8 18.7, 256 rows on 8 warps 19.4); end to end 36.8 us against 48.9 for the
-    best sorted config (route 4.9 + gemm1 24.8 + gemm2 and slot sum 18.6)."""
+# NOTE: shared memory of an SM on Hopper (sm_90), for how many direct GEMV programs one SM holds at once.
+SM_SHARED_MEMORY = 228 * 1024
 
-    def split(tiles: int, reduction: int) -> int:
+
+def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp4_mma") -> MoeConfig:
+    """The direct schedule of the formats of DOT_GEMV_QUANTS (``_gemv_dot``: no routing, per-pair tensor-core GEMVs)
+    for ``pairs`` (token, slot) pairs on these experts (the programs of other pairs exit at once): 128 weight rows on
+    4 warps per tile (gemm1: 64 columns of gate and up), 128-column steps; fp8 block: gemm1 128 columns (256 rows,
+    see ``fp8_gemv_tiles``), gemm2 64 rows in 4 stages. Each reduction splits in two while twice its programs still
+    fit on the GPU at once: per SM as many as their pipelined tiles' shared memory allows (``gemv_smem``), at most
+    4, so that every program streams from the start and none waits for a second wave.
+    NOTE: the rule gives the tuner's picks on the H100 (``python benchmarks/tune_fused_experts.py --quant mxfp4_mma
+    --tokens 1``, gpt-oss-120b M = 1: gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1);
+    gemv2 split 4 15.5 us (split 2 16.7, split 8 18.7, 256 rows on 8 warps 19.4); end to end 36.8 us against 48.9 for
+    the best sorted config), and the table's DeepSeek-V3 fp8 block entry at M = 1 (gemv1 split 2, gemv2 unsplit). On
+    an expert-parallel shard the pairs are the local ones: DeepSeek-V3's 32 of 256 experts at M = 1 has 1 on
+    average, whose gemv1 splits 16 ways (the 8 pairs of the whole layer would give 4, 64 programs for 1 pair)."""
+    fp8 = quant == "fp8_block"
+
+    def split(g: GemmConfig, rows: int, tiles: int, reduction: int) -> GemmConfig:
+        per_sm = max(1, min(4, SM_SHARED_MEMORY // gemv_smem(g.num_stages, rows, quant)))
         s = 1
-        while tiles * s < 2 * num_sms and reduction >= 2 * s * 128:
+        while tiles * 2 * s <= per_sm * num_sms and reduction >= 2 * s * 128:
             s *= 2
-        return s
+        return dataclasses.replace(g, split_k=s)
 
-    bn1 = 128 if quant == "fp8_block" else 64
-    g1 = GemmConfig(block_n=bn1, block_k=128, num_warps=4, num_stages=3, group_m=0,
-                    split_k=split(P * math.ceil(N / bn1), K))
-    bn2 = 64 if quant == "fp8_block" else 128
-    g2 = GemmConfig(block_n=bn2, block_k=128, num_warps=4, num_stages=4 if quant == "fp8_block" else 3, group_m=0,
-                    split_k=split(P * math.ceil(K / bn2), N))
+    bn1 = 128 if fp8 else 64
+    g1 = split(GemmConfig(block_n=bn1, block_k=128, num_warps=4, num_stages=3, group_m=0), 2 * bn1,
+               pairs * math.ceil(N / bn1), K)
+    bn2 = 64 if fp8 else 128
+    g2 = split(GemmConfig(block_n=bn2, block_k=128, num_warps=4, num_stages=4 if fp8 else 3, group_m=0), bn2,
+               pairs * math.ceil(K / bn2), N)
     return MoeConfig("direct", 0, g1, g2)
+
+
+def gemv_smem(stages: int, rows: int, quant: str) -> int:
+    """Bytes of shared memory of a direct tensor-core GEMV program's pipelined tiles (``_gemv_dot``): per stage the
+    16-row activation tile of 128 columns (e4m3 for fp8 block, which quantizes it up front, else 16-bit) and
+    ``rows`` weight rows of 128 columns (fp8: a byte each; MXFP4 in the MMA layout: codes and scales, 17 / 32
+    byte)."""
+    if quant == "fp8_block":
+        return stages * (16 + rows) * 128
+    return stages * (16 * 128 * 2 + rows * 128 * 17 // 32)
 
 
 def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms, tile=None) -> MoeConfig:

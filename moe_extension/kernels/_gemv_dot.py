@@ -13,13 +13,14 @@ the row as column 0 of its 16 (the other columns are zeros), so the weights are 
   epilogue (router weight or not, bias, activation). Programs of invalid pairs exit (their rows untouched).
 - ``gemv2_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): W2[e] rows times a[t, j] -> ``out[t, tile]`` summed
   over the token's slots in slot order (SUM_SLOTS; a token without valid slots gets 0), or ``out[t, j, tile]`` per
-  pair (rows of invalid pairs untouched), with bias and router weight as gemm2.
+  pair (rows of invalid pairs untouched), with bias and router weight as gemm2. Programs of invalid pairs exit; with
+  SUM_SLOTS those of split 0, slot 0 of a token without valid slots store its zeros.
 
-Split reduction: with SPLIT > 1 (gemv2: or more than one slot per output tile), each program stores its fp32 partial
-sum in ``part``, then increments its output tile's counter in ``cnt`` (int32, zeroed by the caller; release: its
-stores come first); the program that brings the counter to the number of programs of the tile (acquire) reads the
-partials back in split (and slot) order and runs the epilogue. Whichever program counts last, the sums are the same:
-bitwise reproducible, no float atomics, no host sync, every size from shapes.
+Split reduction: with SPLIT > 1 (gemv2: or more than one valid slot per output tile), each program stores its fp32
+partial sum in ``part``, then increments its output tile's counter in ``cnt`` (int32, zeroed by the caller; release:
+its stores come first); the program that brings the counter to the number of programs of the tile (acquire: SPLIT
+times the valid slots) reads the partials back in split (and slot) order and runs the epilogue. Whichever program
+counts last, the sums are the same: bitwise reproducible, no float atomics, no host sync, every size from shapes.
 
 PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
 before it waits for the previous kernel (``_launch.grid_dependency``); the activations, the counters and every store
@@ -78,6 +79,19 @@ def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, strid
     return tl.sum(tl.where((r16 == 0)[None, :], acc_t, 0.0), axis=1)
 
 
+# A 128-byte line into L2, no registers written back (the output is a dummy; not pure, so it is kept).
+_PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def prefetch_l2(base, first, end, LINES: tl.constexpr):
+    """Prefetch into L2 the 128-byte lines of bytes ``first`` .. ``end`` from ``base`` (a byte pointer), at most LINES
+    of them, without waiting for them (inline PTX: on the GPU only)."""
+    offs = first + tl.arange(0, LINES).to(tl.int64) * 128
+    addr = (base + tl.where(offs < end, offs, first)).to(tl.int64)
+    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _arrive(cnt_ptr, expected):
     """After this program's partial stores: count it in ``cnt_ptr`` (acq_rel, gpu scope); True for the program that
@@ -94,16 +108,21 @@ def gemv1_dot_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit,
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
+    pf_ptr, pf_stride_e, pf_bytes,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
     [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
     active pairs (``_lora.lora_rows_delta``), before the one rounding. fp8 block: A_Q, ``x`` holds e4m3 rows and
     ``xs_ptr`` their scales per 128 columns (row stride ``stride_xsm``); Q_OUT (BLOCK_N a multiple of 128), the
     output is stored quantized for gemm2 (e4m3 values in ``out``, scales per 128 columns in ``os_ptr``, row stride
-    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result."""
+    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result. PF_LINES > 0 (the GPU): once
+    its reduction is done, each program prefetches into L2 its share of the next GEMM's weights of its pair's expert
+    (``pf_bytes`` bytes at ``pf_ptr + e * pf_stride_e``, in tiles * SPLIT shares of at most PF_LINES lines), which
+    the second GEMV then reads from L2 while the first's last programs and its launch would otherwise leave HBM
+    idle."""
     tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
@@ -124,6 +143,10 @@ def gemv1_dot_kernel(
                         expert.to(tl.int64), wr.to(tl.int64), g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT,
                         PTX, DOT_PREC, G_ON_A, A_Q)
+    if PF_LINES > 0:
+        share = tl.cdiv(tl.cdiv(pf_bytes, tl.num_programs(0) * SPLIT), 128) * 128
+        first = (pid_n * SPLIT + s).to(tl.int64) * share
+        prefetch_l2(pf_ptr + expert.to(tl.int64) * pf_stride_e, first, tl.minimum(first + share, pf_bytes), PF_LINES)
     if SPLIT > 1:
         tiles = tl.num_programs(0)
         tile = p * tiles + pid_n
@@ -175,18 +198,28 @@ def gemv2_dot_kernel(
     t = p // topk
     j = p - t * topk
     expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-    if not SUM_SLOTS:
-        if not valid:
-            return
-    tiles = tl.num_programs(0)
-    n0 = pid_n * BLOCK_N
-    c = tl.arange(0, BLOCK_N)
-    wr = (n0 + c) % N_OUT
     if SUM_SLOTS:
         first, slot0, group = t * topk, 0, t
     else:
         first, slot0, group = p, j, p
-    arrivals = nslot * SPLIT
+    jj = tl.arange(0, SLOTS)
+    e_vec, ok_vec = local_expert(ids_ptr, first + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
+                                 E_global, E, topk, has_map)
+    if SUM_SLOTS:
+        # Only the token's valid slots take part (an expert-parallel shard's token has few): the programs of the
+        # others exit, and a token without any gets its zeros from the programs of slot 0, split 0.
+        valid_slots = tl.sum(ok_vec.to(tl.int32), axis=0)
+        if (valid == 0) & ((valid_slots > 0) | (j > 0) | (s > 0)):
+            return
+        arrivals = valid_slots * SPLIT
+    else:
+        if not valid:
+            return
+        arrivals = SPLIT
+    tiles = tl.num_programs(0)
+    n0 = pid_n * BLOCK_N
+    c = tl.arange(0, BLOCK_N)
+    wr = (n0 + c) % N_OUT
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     grid_dependency(PDL)
     if valid:
@@ -200,9 +233,6 @@ def gemv2_dot_kernel(
     if arrivals > 1:
         if not _arrive(cnt_ptr + group * tiles + pid_n, arrivals):
             return
-    jj = tl.arange(0, SLOTS)
-    e_vec, ok_vec = local_expert(ids_ptr, first + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
-                                 E_global, E, topk, has_map)
     if arrivals > 1:
         acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
         for ss in range(SPLIT):
