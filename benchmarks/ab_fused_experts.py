@@ -16,8 +16,6 @@ dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launche
 launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
-``--no-prefetch`` adds it with the direct first GEMV's L2 prefetch of the second GEMV's weights off (the launcher
-``_gemv1`` wrapped by this script; the product prefetches where ``fused_experts.l2_prefetch`` says so).
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
 bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
@@ -64,9 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="also time the table config without the direct first GEMV's L2 prefetch of the second's "
-                        "weights")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
                    help="what to time (default: the whole op)")
     p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
@@ -74,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local-experts", type=int, default=None, metavar="L",
                    help="only the first L of the model's E experts here, through an expert_map")
     args = p.parse_args(argv)
-    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.no_prefetch):
-        p.error("--no-pdl, --persistent-pdl, --direct-pdl and --no-prefetch time fused_experts only")
+    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl):
+        p.error("--no-pdl, --persistent-pdl and --direct-pdl time fused_experts only")
     if args.local_experts is not None and args.local_experts < 1:
         p.error("--local-experts takes a positive count")
     return args
@@ -202,18 +197,6 @@ def main(argv=None) -> int:
                 fe._gemv1, fe._gemv2 = launch_gemvs
 
         runs["table, direct GEMVs PDL"] = direct_pdl
-    if args.no_prefetch:
-        launch_gemv1 = fe._gemv1
-
-        def no_prefetch(i):
-            # the first GEMV without the L2 prefetch, for this call only (captured with the call, as above)
-            fe._gemv1 = lambda *a, prefetch=None, **k: launch_gemv1(*a, prefetch=None, **k)
-            try:
-                return call(table, i)
-            finally:
-                fe._gemv1 = launch_gemv1
-
-        runs["table, no prefetch"] = no_prefetch
     if (tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts" and args.quant == "none"
             and args.local_experts is None):
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
@@ -227,7 +210,7 @@ def main(argv=None) -> int:
         same = torch.equal(runs[name](0), ref)
         print(f"  {name:14s} {c.path} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}")
-    for name in ("table, no PDL", "table, persistent gemm2 PDL", "table, direct GEMVs PDL", "table, no prefetch"):
+    for name in ("table, no PDL", "table, persistent gemm2 PDL", "table, direct GEMVs PDL"):
         if name in runs:
             print(f"  {name}  bitwise equal to table: {torch.equal(runs[name](0), ref)}")
     times = {name: [] for name in runs}

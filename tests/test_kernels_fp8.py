@@ -453,27 +453,6 @@ def test_direct_gemv_splits_follow_the_local_pairs():
         configs._device_facts = monkey
 
 
-def test_l2_prefetch_rule(monkeypatch):
-    """The direct first GEMV prefetches the second GEMM's weights into L2 on the GPU when they are 1-byte elements
-    stored contiguously (fp8 block, MXFP4's MMA layout) and the expected pairs' experts fit in half the L2; never in
-    the interpreter, for 16-bit weights, strided views or more bytes."""
-    from moe_extension.quant import quantize_mxfp4
-    from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
-
-    w2, s2 = fp8_experts(4, 256, 128, seed=1)[2:4]  # 256 x 128 e4m3 per expert: 32 KiB
-    mma = prepare_mxfp4_mma(*quantize_mxfp4(torch.randn(4, 256, 128)))
-    assert fe.l2_prefetch(fe.WeightOperand(w2, s2, "fp8_block"), 1) is None, "not in the interpreter"
-    monkeypatch.setattr(fe, "_ptx", lambda device: True)
-    monkeypatch.setattr(fe, "l2_bytes", lambda device: 4 * 32 * 1024)
-    fp8 = fe.WeightOperand(w2, s2, "fp8_block")
-    assert fe.l2_prefetch(fp8, 2) is w2 and fe.l2_prefetch(fp8, 3) is None
-    assert fe.l2_prefetch(fe.WeightOperand(*mma, "mxfp4_mma"), 2) is mma[0]
-    strided = w2.transpose(1, 2).contiguous().transpose(1, 2)
-    assert fe.l2_prefetch(fe.WeightOperand(strided, s2, "fp8_block"), 1) is None
-    assert fe.l2_prefetch(fe.WeightOperand.of(torch.randn(4, 256, 64, dtype=torch.bfloat16)), 1) is None
-    assert fe.l2_prefetch(fe.WeightOperand(w2[:0], s2[:0], "fp8_block"), 1) is None
-
-
 def test_heuristic_forced_schedule():
     """``path`` forces either schedule in the heuristic (``ab_fused_experts.py --other-schedule``); None follows
     ``use_direct``."""

@@ -395,9 +395,12 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     NOTE: the rule gives the tuner's picks on the H100 (``python benchmarks/tune_fused_experts.py --quant mxfp4_mma
     --tokens 1``, gpt-oss-120b M = 1: gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1);
     gemv2 split 4 15.5 us (split 2 16.7, split 8 18.7, 256 rows on 8 warps 19.4); end to end 36.8 us against 48.9 for
-    the best sorted config), and the table's DeepSeek-V3 fp8 block entry at M = 1 (gemv1 split 2, gemv2 unsplit). On
-    an expert-parallel shard the pairs are the local ones: DeepSeek-V3's 32 of 256 experts at M = 1 has 1 on
-    average, whose gemv1 splits 16 ways (the 8 pairs of the whole layer would give 4, 64 programs for 1 pair)."""
+    the best sorted config), and the table's DeepSeek-V3 fp8 block entry at M = 1 (gemv1 split 2, gemv2 unsplit).
+    NOTE: against the rule it replaced (split until the programs reach two per SM), H200, fp8 block at M = 1,
+    CUDA-graph medians of 5 interleaved rounds (benchmarks/results/ab_direct_splits_h200.txt): Qwen3-30B-A3B (E 128,
+    topk 8, K 2048, N 768) gemv1 split 4 18.8 us against split 8 22.2; DeepSeek-V3's shard of 32 of 256 experts (1
+    local pair on average) 21.3-22.3 us for every split tried (gemv1 4-16, gemv2 1-4): there the splits do not
+    matter."""
     fp8 = quant == "fp8_block"
 
     def split(g: GemmConfig, rows: int, tiles: int, reduction: int) -> GemmConfig:

@@ -79,19 +79,6 @@ def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, strid
     return tl.sum(tl.where((r16 == 0)[None, :], acc_t, 0.0), axis=1)
 
 
-# A 128-byte line into L2, no registers written back (the output is a dummy; not pure, so it is kept).
-_PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
-
-
-@triton.jit
-def prefetch_l2(base, first, end, LINES: tl.constexpr):
-    """Prefetch into L2 the 128-byte lines of bytes ``first`` .. ``end`` from ``base`` (a byte pointer), at most LINES
-    of them, without waiting for them (inline PTX: on the GPU only)."""
-    offs = first + tl.arange(0, LINES).to(tl.int64) * 128
-    addr = (base + tl.where(offs < end, offs, first)).to(tl.int64)
-    tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _arrive(cnt_ptr, expected):
     """After this program's partial stores: count it in ``cnt_ptr`` (acq_rel, gpu scope); True for the program that
@@ -108,21 +95,16 @@ def gemv1_dot_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit,
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
-    pf_ptr, pf_stride_e, pf_bytes,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr,
+    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
     [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
     active pairs (``_lora.lora_rows_delta``), before the one rounding. fp8 block: A_Q, ``x`` holds e4m3 rows and
     ``xs_ptr`` their scales per 128 columns (row stride ``stride_xsm``); Q_OUT (BLOCK_N a multiple of 128), the
     output is stored quantized for gemm2 (e4m3 values in ``out``, scales per 128 columns in ``os_ptr``, row stride
-    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result. PF_LINES > 0 (the GPU): once
-    its reduction is done, each program prefetches into L2 its share of the next GEMM's weights of its pair's expert
-    (``pf_bytes`` bytes at ``pf_ptr + e * pf_stride_e``, in tiles * SPLIT shares of at most PF_LINES lines), which
-    the second GEMV then reads from L2 while the first's last programs and its launch would otherwise leave HBM
-    idle."""
+    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result."""
     tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
@@ -143,10 +125,6 @@ def gemv1_dot_kernel(
                         expert.to(tl.int64), wr.to(tl.int64), g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT,
                         PTX, DOT_PREC, G_ON_A, A_Q)
-    if PF_LINES > 0:
-        share = tl.cdiv(tl.cdiv(pf_bytes, tl.num_programs(0) * SPLIT), 128) * 128
-        first = (pid_n * SPLIT + s).to(tl.int64) * share
-        prefetch_l2(pf_ptr + expert.to(tl.int64) * pf_stride_e, first, tl.minimum(first + share, pf_bytes), PF_LINES)
     if SPLIT > 1:
         tiles = tl.num_programs(0)
         tile = p * tiles + pid_n

@@ -1,4 +1,4 @@
-"""Launch utilities of the Triton kernels: device facts (TMA, programmatic dependent launch, SM count, L2 size), the
+"""Launch utilities of the Triton kernels: device facts (TMA, programmatic dependent launch, SM count), the
 current-device guard, a side stream for work that can run beside the current stream's, the PDL launch
 options and device-side wait, and the host arithmetic of grids and block sizes (``cdiv``, ``next_power_of_2``).
 
@@ -59,12 +59,6 @@ def tma_layout_ok(t: torch.Tensor, block_k: int) -> bool:
 def sm_count(device: torch.device) -> int:
     """Programs of a persistent launch: the SMs of a GPU; 4 in the interpreter (several tiles each)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-@functools.lru_cache(maxsize=None)
-def l2_bytes(device: torch.device) -> int:
-    """The GPU's L2 cache in bytes (0 off the GPU)."""
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -59,8 +59,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major
-from moe_extension.kernels._launch import (cdiv, device_guard, join, l2_bytes, next_power_of_2, pdl_capable,
-                                           pdl_options, sm_count, tma_capable, tma_layout_ok)
+from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
+                                           sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
@@ -126,17 +126,6 @@ def local_pairs(M: int, topk: int, E: int, expert_map: torch.Tensor | None) -> i
     if expert_map is None or expert_map.numel() <= E:
         return None
     return max(1, round(M * topk * E / expert_map.numel()))
-
-
-def l2_prefetch(w2: WeightOperand, pairs: int) -> torch.Tensor | None:
-    """The second GEMM's weights for the direct first GEMV to prefetch into L2 (``_gemv1``), or None: tensor-core
-    GEMVs on the GPU, weights of 1-byte elements stored contiguously per expert (MXFP4's MMA layout, fp8 block), and
-    the experts of the expected ``pairs`` within half the L2 (more would evict each other before the second GEMV
-    reads them)."""
-    w = w2.w
-    if not (w2.dot_gemvs and _ptx(w.device) and w.element_size() == 1 and w.is_contiguous() and w.shape[0] > 0):
-        return None
-    return w if pairs * w[0].numel() <= l2_bytes(w.device) // 2 else None
 
 
 def _stride(t: torch.Tensor | None, dim: int) -> int:
@@ -383,16 +372,14 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
 
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
            lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None,
-           x_scale: torch.Tensor | None = None, pdl: bool = False, prefetch: torch.Tensor | None = None):
+           x_scale: torch.Tensor | None = None, pdl: bool = False):
     """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``):
     ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
     the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``). fp8 block: x quantized up front
     (``quantize_fp8_rows``) unless the router weights scale it (``weights``: g x is quantized per pair, per step);
     ``out_scale`` [P, cdiv(n_out, 128)] (cfg.block_n a multiple of 128): out is e4m3 and the rows are stored
     quantized, these their scales. ``x_scale``: x is e4m3 already, these its scales (``quantize_fp8_rows``).
-    ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch. ``prefetch`` (tensor-core GEMVs on the
-    GPU): the next GEMM's weights [E, ...] (contiguous, 1-byte elements; ``l2_prefetch``), whose experts' bytes the
-    programs of their pairs prefetch into L2 once their own reduction is done."""
+    ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
@@ -413,8 +400,6 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
                            device=x.device)
         cnt = counters if counters is not None else _zeroed_counters(_gemv1_dot_counters(M * topk, n_out, K, cfg),
                                                                      x.device)
-        pf_bytes = prefetch[0].numel() if prefetch is not None else 0
-        pf_lines = next_power_of_2(cdiv(cdiv(pf_bytes, tiles * splits), 128)) if pf_bytes else 0
         gemv1_dot_kernel[(tiles, M * topk, splits)](
             x, x_scale if x_scale is not None else x, w1.w, w1.scale, bias if bias is not None else out, out,
             out_scale if out_scale is not None else out, part, cnt, weights if weights is not None else out,
@@ -423,11 +408,11 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             int(weights is not None), x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
             out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
             _stride(weights, 0), _stride(weights, 1), _stride(x_scale, 0), _stride(out_scale, 0), float(alpha),
-            float(limit), *lora_args, prefetch if pf_bytes else x, pf_bytes, pf_bytes,
+            float(limit), *lora_args,
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
-            G_ON_A=weights is not None, A_Q=x_scale is not None, Q_OUT=out_scale is not None, PF_LINES=pf_lines,
-            **lora_flags, **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            G_ON_A=weights is not None, A_Q=x_scale is not None, Q_OUT=out_scale is not None, **lora_flags,
+            **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
     grid = (cdiv(n_out, cfg.block_n), M * topk)
@@ -549,8 +534,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             # With PDL only after the quantization, which lets gemv1 launch at once (see the NOTE in the docstring).
             dot_pdl = pdl and fp8 and w_in is None
             _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit, cfg.gemm1, c1,
-                   out_scale=a_scale, x_scale=x_scale, pdl=dot_pdl,
-                   prefetch=l2_prefetch(w2, local_pairs(M, topk, E, expert_map) or M * topk))
+                   out_scale=a_scale, x_scale=x_scale, pdl=dot_pdl)
             _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale, pdl=dot_pdl)
             return out
         x, x_scale, a_scale = hidden_states, None, None
