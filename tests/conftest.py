@@ -7,7 +7,7 @@ Random inputs are fresh in every run and reproducible: the run draws a seed (or 
 prints it before the first test, and seeds torch's generators (CPU and CUDA) before each test from it and the
 test's id. ``MOE_TEST_SEED=<the printed value> python -m pytest <the test>`` draws the same inputs again, on
 one process or under pytest-xdist (the workers inherit the variable). Tests that seed their own generators
-are unaffected.
+are unaffected. Each failure's report is printed as soon as the main process has it, not only at the end.
 """
 
 import os
@@ -29,12 +29,27 @@ def pytest_configure(config):
     os.environ.setdefault(SEED_VARIABLE, str(random.SystemRandom().randrange(1, 2**31)))
 
 
+_reporter = None
+
+
 def pytest_sessionstart(session):
     # Printed by the main process even with -q, before any test runs (a run cut off by a timeout still shows it).
+    global _reporter
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and not hasattr(session.config, "workerinput"):
+        _reporter = reporter
         reporter.write_line(f"{SEED_VARIABLE}={os.environ[SEED_VARIABLE]} (set it to draw this run's random inputs "
                             "again)")
+
+
+def pytest_runtest_logreport(report):
+    # A failure's report (its last 40 lines) as soon as the main process receives it, under pytest-xdist too, besides
+    # the summary at the end: a run cut off by a timeout still shows why its failed tests failed.
+    if report.failed and _reporter is not None:
+        lines = report.longreprtext.splitlines()[-40:]
+        _reporter.write_line(f"FAILURE of {report.nodeid} ({report.when}):")
+        for line in lines:
+            _reporter.write_line(f"    {line}")
 
 
 @pytest.fixture(autouse=True)

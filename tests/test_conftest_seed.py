@@ -1,6 +1,6 @@
 """tests/conftest.py's seeding: a run prints MOE_TEST_SEED before its first test, the same seed draws the same
-random inputs again, and another seed (or none) draws new ones. Runs pytest in a subprocess on a copy of the
-conftest beside a test that prints a random draw."""
+random inputs again, and another seed (or none) draws new ones; and a failure's report is printed when it happens.
+Runs pytest in a subprocess on a copy of the conftest beside a test that prints a random draw."""
 
 import os
 import re
@@ -37,3 +37,20 @@ def test_seed_printed_and_reproducible(tmp_path):
     assert _run(tmp_path, "6")[1] != first
     drawn_seed, drawn = _run(tmp_path, None)
     assert _run(tmp_path, drawn_seed)[1] == drawn
+
+
+FAILING = '''
+def test_fails():
+    assert 1 == 2, "the reason " + "of the failure"
+'''
+
+
+def test_failure_reported_when_it_happens(tmp_path):
+    """A failure's message reaches the output even with the end-of-run tracebacks off (--tb=no): the conftest
+    prints each failure's report when the main process receives it."""
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_probe.py").write_text(FAILING)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--tb=no", "-p", "no:cacheprovider", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 1 and "FAILURE of test_probe.py::test_fails (call):" in run.stdout, run.stdout
+    assert "the reason of the failure" in run.stdout, run.stdout
