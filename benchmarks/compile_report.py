@@ -1,0 +1,215 @@
+"""Compile the Triton kernels of one ``fused_experts`` call for sm_90 on any machine, no GPU needed, and report what
+ptxas says of each: registers, spilled bytes, shared memory, and whether its wgmma instructions run serialized
+(ptxas's C7515 "Potential Performance Loss" warning; in the SASS, a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` wait after
+each wgmma instead of several in flight). A GPU session has 30 minutes; this finds tiles whose code spills or
+serializes before one starts.
+
+How: a child process runs the call in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, with TMA and
+programmatic dependent launch on as on an H100 and every kernel launch recorded instead of run. A second child
+compiles each recorded launch with ``JITFunction.warmup`` against a stand-in driver whose target is
+``GPUTarget("cuda", 90, 32)``, so that the JIT's own specialization of the arguments (alignment, ints equal to 1)
+applies, and runs the ptxas that Triton runs for sm_90 (with ``-v``) and the cuobjdump it ships. The call's config
+is the one the ops would pick on ``--device`` for the model's shape (its tuned table, else the heuristic), with
+``--variant`` overrides as in ``ab_fused_experts.py``; the weights are ``--experts`` of the model's experts (the
+kernels' code does not depend on E), random, in ``--quant``'s format.
+
+The report is of the Triton installed here. For the GPU machine's version: ``pip install --target DIR
+triton==3.6.0``, then ``PYTHONPATH=DIR python benchmarks/compile_report.py ...``.
+
+    python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 4096 \\
+        --variant '{"gemm2": {"tail_m": 0}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+TARGET = ("cuda", 90, 32)
+# The routed-expert kernels a report covers (the routing, quantization and slot-sum launches are recorded too, but
+# they hold no tensor-core loop).
+KERNELS = ("gemm1_sorted_kernel", "gemm2_sorted_kernel", "gemv1_dot_kernel", "gemv2_dot_kernel", "gemv1_kernel",
+           "gemv2_kernel", "gemm2_persistent_kernel")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    sys.path.insert(0, str(BENCH_DIR))
+    from tune_fused_experts import MODELS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--tokens", type=int, required=True, help="M")
+    p.add_argument("--quant", choices=("none", "mxfp4_mma", "fp8_block"), default="none")
+    p.add_argument("--variant", default="{}", help="JSON overrides of the config (as ab_fused_experts.py)")
+    p.add_argument("--device", default="NVIDIA H100 80GB HBM3", help="whose tuned table picks the config")
+    p.add_argument("--experts", type=int, default=8, help="experts held (default: %(default)s)")
+    p.add_argument("--all-kernels", action="store_true", help="also the routing, quantization and slot-sum launches")
+    # The two child processes: the interpreter's records the launches, the other compiles them.
+    p.add_argument("--record", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--compile", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def record_launches(args) -> None:
+    """Child process (interpreter): the call's launches -> ``args.record`` (module, kernel name, args, kwargs)."""
+    import torch
+    import triton.runtime.interpreter as interpreter
+
+    import moe_extension.kernels.fused_experts as fe
+    from moe_extension.kernels import _configs
+    from moe_extension.quant import quantize_fp8_block, quantize_mxfp4
+    from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
+    from tune_fused_experts import MODELS
+
+    d = MODELS[args.model]
+    E, topk, K, N, M = d["E"], d["topk"], d["K"], d["N"], args.tokens
+    launches = []
+
+    def record(self, *a, grid, warmup, **kw):
+        launches.append((self.fn.__module__, self.fn.__name__, a, kw))
+
+    interpreter.InterpretedFunction.run = record
+    fe.tma_capable = fe.pdl_capable = fe._ptx = lambda device: True  # as on sm_90
+    _configs._device_facts = lambda device: (args.device, 132)
+    cfg = _configs.get_config(M, E, N, K, topk, torch.bfloat16, True, True, torch.device("cpu"), args.quant)
+    variant = json.loads(args.variant)
+    changes = {k: v for k, v in variant.items() if k not in ("gemm1", "gemm2")}
+    for name in ("gemm1", "gemm2"):
+        if name in variant:
+            changes[name] = dataclasses.replace(getattr(cfg, name), **variant[name])
+    cfg = dataclasses.replace(cfg, **changes)
+    print(f"config: {cfg}", flush=True)
+    L = min(max(args.experts, topk), E)
+    gen = torch.Generator().manual_seed(0)
+    stacks = [torch.randn(L, r, c, generator=gen) / c**0.5 for r, c in ((2 * N, K), (K, N))]
+    kw = {}
+    if args.quant == "mxfp4_mma":
+        (w1, s1), (w2, s2) = (prepare_mxfp4_mma(*quantize_mxfp4(w)) for w in stacks)
+        kw = dict(quant="mxfp4_mma", w1_scale=s1, w2_scale=s2)
+    elif args.quant == "fp8_block":
+        (w1, s1), (w2, s2) = (quantize_fp8_block(w) for w in stacks)
+        kw = dict(quant="fp8_block", w1_scale=s1, w2_scale=s2)
+    else:
+        w1, w2 = (w.to(torch.bfloat16) for w in stacks)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(L, generator=gen)[:topk] for _ in range(M)]).to(torch.int32)
+    weights = torch.rand(M, topk, generator=gen)
+    fe.fused_experts_triton(x, w1, w2, weights, ids, "swigluoai", config=cfg, **kw)
+    torch.save(launches, args.record)
+
+
+class _StandInDriver:
+    """What ``JITFunction.warmup`` asks of the active driver, for an sm_90 target and no device."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str) -> dict:
+    """ptxas -v of one kernel's PTX for sm_90a, and the wgmma waits of its SASS."""
+    src, obj = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.o")
+    Path(src).write_text(ptx)
+    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", obj], capture_output=True, text=True).stderr
+    sass = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True).stdout
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else None,
+            "spill_loads": int(spills.group(2)) if spills else None,
+            "wgmma_serialized_warning": "C7515" in info,
+            "wgmma": len(re.findall(r"\b[HQI]GMMA\.", sass)),
+            "wgmma_waits_for_all": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass))}
+
+
+def compile_launches(record: str, all_kernels: bool) -> list[dict]:
+    """Each recorded launch compiled for sm_90 (this process: no interpreter) -> its facts."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    importlib.import_module("triton.runtime.driver").driver.set_active(_StandInDriver(GPUTarget(*TARGET)))
+    # The ptxas that Triton itself runs for sm_90 (its releases ship more than one), and its cuobjdump.
+    ptxas, cuobjdump = get_ptxas(TARGET[1]).path, triton.knobs.nvidia.cuobjdump.path
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for module, name, args, kwargs in torch.load(record, weights_only=False):
+            if not all_kernels and name not in KERNELS:
+                continue
+            kernel = getattr(importlib.import_module(module), name)
+            compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+            facts = sass_facts(ptxas, cuobjdump, compiled.asm["ptx"], folder)
+            rows.append(dict(kernel=name, num_warps=compiled.metadata.num_warps,
+                             num_stages=compiled.metadata.num_stages, shared=compiled.metadata.shared,
+                             **{k: v for k, v in kwargs.items() if k.isupper() and isinstance(v, (int, bool))},
+                             **facts))
+    return rows
+
+
+def _child(argv: list[str], interpret: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.record:
+        record_launches(args)
+        return 0
+    if args.compile:
+        import triton
+
+        print(json.dumps({"triton": triton.__version__}))
+        for row in compile_launches(args.compile, args.all_kernels):
+            print(json.dumps(row))
+        return 0
+    argv = list(argv if argv is not None else sys.argv[1:])
+    with tempfile.TemporaryDirectory() as folder:
+        record = os.path.join(folder, "launches.pt")
+        recorded = _child([*argv, "--record", record], interpret=True)
+        compiled = _child([*argv, "--compile", record], interpret=False) if recorded.returncode == 0 else recorded
+    if compiled.returncode != 0:
+        print(compiled.stdout + compiled.stderr, file=sys.stderr)
+        return compiled.returncode
+    lines = [json.loads(line) for line in compiled.stdout.splitlines() if line.startswith("{")]
+    print(f"triton {lines[0]['triton']}, sm_90; {args.model} M={args.tokens} quant={args.quant}")
+    print(recorded.stdout.strip())
+    for r in lines[1:]:
+        flags = " ".join(f"{k}={v}" for k, v in r.items() if k.isupper() and k in ("BM", "BLOCK_M", "BLOCK_N",
+                                                                                  "BLOCK_K", "SPLIT", "TAIL_M"))
+        serial = "SERIALIZED" if r["wgmma_serialized_warning"] else "pipelined" if r["wgmma"] else "no wgmma"
+        print(f"  {r['kernel']:24s} warps {r['num_warps']} stages {r['num_stages']} {flags:40s} registers "
+              f"{r['registers']} spills {r['spill_stores']}/{r['spill_loads']} B  shared {r['shared']} B  wgmma "
+              f"{r['wgmma']} ({serial}; {r['wgmma_waits_for_all']} waits for all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""benchmarks/compile_report.py: the kernels of a fused_experts call compiled for sm_90 without a GPU, with what
+ptxas says of each (registers, spills, serialized wgmma)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import compile_report  # noqa: E402
+
+def _has_ptxas() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return Path(get_ptxas(90).path).exists()
+    except Exception:  # no NVIDIA backend, or no ptxas where Triton looks
+        return False
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas for sm_90")
+def test_report_of_the_mxfp4_sorted_kernels():
+    """gpt-oss-20b with MXFP4 weights in the MMA layout at M = 16 (the sorted schedule): both GEMMs compiled for
+    sm_90 with their tensor-core loops (wgmma) and a register count; the config line printed first."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--model", "gpt-oss-20b",
+                          "--quant", "mxfp4_mma", "--tokens", "16"], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("config: MoeConfig(path='sorted'") for line in lines), out.stdout
+    for kernel in ("gemm1_sorted_kernel", "gemm2_sorted_kernel"):
+        row = next(line for line in lines if line.strip().startswith(kernel))
+        registers = int(row.split("registers ")[1].split()[0])
+        wgmma = int(row.split("wgmma ")[1].split()[0])
+        assert 0 < registers <= 255 and wgmma > 0, row
+
+
+def test_sass_facts_reads_ptxas_and_the_waits(tmp_path, monkeypatch):
+    """The parsing of ptxas -v and of the SASS: registers, spills, the C7515 warning, wgmma and full waits."""
+    info = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized\n"
+            "ptxas info    : 16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+            "ptxas info    : Used 251 registers, used 1 barriers\n")
+    sass = ("  HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR16], R88, gsb0 ;\n  WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n"
+            "  HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR16], R24, gsb0 ;\n  WARPGROUP.DEPBAR.LE gsb0, 0x7 ;\n")
+
+    def fake_run(cmd, capture_output, text):
+        return subprocess.CompletedProcess(cmd, 0, stdout=sass if "-sass" in cmd else "", stderr=info)
+
+    monkeypatch.setattr(compile_report.subprocess, "run", fake_run)
+    facts = compile_report.sass_facts("ptxas", "cuobjdump", "// ptx", str(tmp_path))
+    assert facts == {"registers": 251, "spill_stores": 8, "spill_loads": 4, "wgmma_serialized_warning": True,
+                     "wgmma": 2, "wgmma_waits_for_all": 1}
