@@ -150,7 +150,6 @@ def compile_launches(record: str, all_kernels: bool) -> list[dict]:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
-
     from triton.backends.nvidia.compiler import get_ptxas
 
     importlib.import_module("triton.runtime.driver").driver.set_active(_StandInDriver(GPUTarget(*TARGET)))

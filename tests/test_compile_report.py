@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import compile_report  # noqa: E402
 
+
 def _has_ptxas() -> bool:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
