@@ -317,13 +317,13 @@ def test_expert_gemms_match_torch(name, on_input, dtype, transposed, ue8m0):
 @pytest.mark.parametrize("name", ["direct", "direct_split"])
 def test_direct_slot_sum_over_the_valid_slots(poisoned, name):  # noqa: F811  (the fixture)
     """The direct second GEMV sums only a token's valid slots (the programs of the others exit): tokens with no valid
-    slot (exactly 0), with one (first, last or middle slot: the program that writes it alone, or with a split the one
-    that counts last), with several and with all, against the PyTorch implementation; NaN-poisoned workspaces and
-    output, NaN router weights on the invalid slots."""
+    slot (exactly 0), with one (the first, last or a middle slot: the program that writes it alone, or with a split
+    the one that counts last), with several and with all, against the PyTorch implementation; NaN-poisoned workspaces
+    and output, NaN router weights on the invalid slots."""
     E, K, N, topk = 6, 200, 256, 4
     w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=13)
     ids = torch.tensor([[-1, -1, -1, -1], [2, -1, -1, -1], [-1, -1, -1, 5], [-1, 3, 9, -1], [1, -1, 4, 0],
-                        [0, 1, 2, 3], [7, -1, 6, -1]], dtype=torch.int32)
+                        [0, 1, 2, 3], [-1, 8, 7, -1]], dtype=torch.int32)
     emap = torch.tensor([0, 1, 2, 3, 4, 5, -1, 1, -1, 3], dtype=torch.int32)  # ids 6 and 8 elsewhere, 9 -> 3
     M = ids.shape[0]
     valid = valid_slots(ids, emap, E)
@@ -423,7 +423,7 @@ def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
     assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg
 
 
-def test_direct_gemv_splits_follow_the_local_pairs():
+def test_direct_gemv_splits_follow_the_local_pairs(monkeypatch):
     """The direct tensor-core GEMVs split each reduction while twice its programs fit on the GPU at once: the
     table's tuned DeepSeek-V3 entry at M = 1 for the whole layer (8 local pairs: gemv1 split 2, gemv2 unsplit), and
     for an expert-parallel shard (32 of 256 experts: 1 local pair expected) splits that give that pair's 16 gemv1
@@ -441,16 +441,12 @@ def test_direct_gemv_splits_follow_the_local_pairs():
     h100 = configs._load_table("NVIDIA H100 80GB HBM3")
     tuned = h100["E=256,N=2048,K=7168,topk=8,dtype=bfloat16,w1=row,w2=row,quant=fp8_block"][1]
     assert tuned.path == "direct" and (tuned.gemm1.split_k, tuned.gemm2.split_k) == (2, 1)
-    get = configs.get_config.__wrapped__
-    monkey = configs._device_facts
-    try:
-        configs._device_facts = lambda device: ("NVIDIA H100 80GB HBM3", 132)
-        key = (1, 256, 2048, 7168, 8, torch.bfloat16, True, True, dev, "fp8_block")
-        assert get(*key) == tuned
-        assert get(*key, local_pairs=1) == configs.sanitize(
-            configs.dot_gemv_direct(1, 2048, 7168, 132, "fp8_block"), torch.bfloat16, 2048, 7168, 8, "fp8_block")
-    finally:
-        configs._device_facts = monkey
+    monkeypatch.setattr(configs, "_device_facts", lambda device: ("NVIDIA H100 80GB HBM3", 132))
+    get = configs.get_config.__wrapped__  # not the memoized one: its entries for "cpu" came from the heuristic
+    key = (1, 256, 2048, 7168, 8, torch.bfloat16, True, True, dev, "fp8_block")
+    assert get(*key) == tuned
+    assert get(*key, local_pairs=1) == configs.sanitize(
+        configs.dot_gemv_direct(1, 2048, 7168, 132, "fp8_block"), torch.bfloat16, 2048, 7168, 8, "fp8_block")
 
 
 def test_heuristic_forced_schedule():
