@@ -23,7 +23,6 @@ triton==3.6.0``, then ``PYTHONPATH=DIR python benchmarks/compile_report.py ...``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
@@ -68,6 +67,7 @@ def record_launches(args) -> None:
     import moe_extension.kernels.fused_experts as fe
     from moe_extension.kernels import _configs
     from moe_extension.quant import quantize_fp8_block, quantize_mxfp4
+    from ab_fused_experts import apply
     from moe_extension.quant.mxfp4_mma import prepare_mxfp4_mma
     from tune_fused_experts import MODELS
 
@@ -82,12 +82,7 @@ def record_launches(args) -> None:
     fe.tma_capable = fe.pdl_capable = fe._ptx = lambda device: True  # as on sm_90
     _configs._device_facts = lambda device: (args.device, 132)
     cfg = _configs.get_config(M, E, N, K, topk, torch.bfloat16, True, True, torch.device("cpu"), args.quant)
-    variant = json.loads(args.variant)
-    changes = {k: v for k, v in variant.items() if k not in ("gemm1", "gemm2")}
-    for name in ("gemm1", "gemm2"):
-        if name in variant:
-            changes[name] = dataclasses.replace(getattr(cfg, name), **variant[name])
-    cfg = dataclasses.replace(cfg, **changes)
+    cfg = apply(cfg, json.loads(args.variant))
     print(f"config: {cfg}", flush=True)
     L = min(max(args.experts, topk), E)
     gen = torch.Generator().manual_seed(0)

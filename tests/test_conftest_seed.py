@@ -17,12 +17,24 @@ def test_draw():
 '''
 
 
-def _run(folder: Path, seed: str | None) -> tuple[str, str]:
+def _probe(folder: Path, source: str) -> Path:
+    """``folder`` with a copy of the conftest beside a test module of ``source``."""
+    shutil.copy(Path(__file__).with_name("conftest.py"), folder / "conftest.py")
+    (folder / "test_probe.py").write_text(source)
+    return folder
+
+
+def _pytest(folder: Path, *options: str, seed: str | None = None) -> subprocess.CompletedProcess:
+    """pytest on ``folder`` in a subprocess, MOE_TEST_SEED set to ``seed`` (unset for None)."""
     env = {k: v for k, v in os.environ.items() if k != "MOE_TEST_SEED"}
     if seed is not None:
         env["MOE_TEST_SEED"] = seed
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(folder)],
-                         capture_output=True, text=True, env=env, cwd=folder, timeout=300).stdout
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", *options, "-p", "no:cacheprovider", str(folder)],
+                          capture_output=True, text=True, env=env, cwd=folder, timeout=300)
+
+
+def _run(folder: Path, seed: str | None) -> tuple[str, str]:
+    out = _pytest(folder, "-s", seed=seed).stdout
     printed = re.search(r"^MOE_TEST_SEED=(\d+) ", out, re.M)
     draw = re.search(r"DRAW (\S+)", out)
     assert printed and draw, out
@@ -30,8 +42,7 @@ def _run(folder: Path, seed: str | None) -> tuple[str, str]:
 
 
 def test_seed_printed_and_reproducible(tmp_path):
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
-    (tmp_path / "test_probe.py").write_text(PROBE)
+    _probe(tmp_path, PROBE)
     seed, first = _run(tmp_path, "5")
     assert (seed, first) == ("5", _run(tmp_path, "5")[1])
     assert _run(tmp_path, "6")[1] != first
@@ -48,9 +59,6 @@ def test_fails():
 def test_failure_reported_when_it_happens(tmp_path):
     """A failure's message reaches the output even with the end-of-run tracebacks off (--tb=no): the conftest
     prints each failure's report when the main process receives it."""
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
-    (tmp_path / "test_probe.py").write_text(FAILING)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--tb=no", "-p", "no:cacheprovider", str(tmp_path)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    run = _pytest(_probe(tmp_path, FAILING), "--tb=no")
     assert run.returncode == 1 and "FAILURE of test_probe.py::test_fails (call):" in run.stdout, run.stdout
     assert "the reason of the failure" in run.stdout, run.stdout
