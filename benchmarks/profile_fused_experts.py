@@ -3,7 +3,9 @@
 For one (model, M) cell of the benchmark's shapes (bf16, swigluoai, random routing; ``tune_fused_experts``)
 it warms up (compiles) ``fused_experts_triton`` with the table config and, when importable,
 ``triton_kernels``, then makes ``--calls`` eager calls of each inside the NVTX range ``profiled`` (nested
-ranges ``ours`` / ``triton_kernels``), so a profiler can skip the warm-up. The L2 traffic of the GEMMs, for
+ranges ``ours`` / ``triton_kernels``), so a profiler can skip the warm-up. ``--quant`` profiles MXFP4 or fp8 block
+weights (``ab_fused_experts.cell_weights``: the tuner's random stacks; triton_kernels then left out) and
+``--variant`` a config override as in ``ab_fused_experts.py``. The L2 traffic of the GEMMs, for
 instance (``benchmarks/results/l2_traffic_h100.txt``):
 
     ncu --clock-control none --nvtx --nvtx-include "profiled/" \\
@@ -21,6 +23,7 @@ CUDA only (``--help`` works anywhere).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -35,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_cell_arguments(p)
     p.add_argument("--calls", type=int, default=1, help="profiled calls of each implementation")
     p.add_argument("--no-peer", action="store_true", help="leave triton_kernels out")
+    p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
+                   help="expert weight format (default: bf16 weights)")
+    p.add_argument("--variant", default=None, help="JSON overrides of the table config (ab_fused_experts.py)")
     return p.parse_args(argv)
 
 
@@ -42,16 +48,27 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    import ab_fused_experts as AB
     import tune_fused_experts as T
+
+    import moe_extension.kernels.fused_experts as fe
     from moe_extension.backends import triton_kernels as tk
     from moe_extension.kernels import fused_experts_triton
 
     if not torch.cuda.is_available():
         print("profile_fused_experts: needs a CUDA device", file=sys.stderr)
         return 2
-    w1, w2, ((x, weights, ids),) = T.cell_inputs(args.model, args.tokens, 1)
-    runs = {"ours": lambda: fused_experts_triton(x, w1, w2, weights, ids, T.ACTIVATION)}
-    if tk.is_available() and not args.no_peer:
+    d = T.MODELS[args.model]
+    w1_ops, w2_ops, _ = AB.cell_weights(args.model, args.quant, None)
+    w1, w2, quant_args = T.fused_call_args(w1_ops, w2_ops)
+    ((x, weights, ids),) = T.make_sets(d["E"], d["topk"], d["K"], args.tokens, torch.bfloat16, 1)
+    config = None
+    if args.variant is not None:
+        table = fe.select_config(args.tokens, x, fe.WeightOperand.of(w1_ops), fe.WeightOperand.of(w2_ops), d["topk"],
+                                 None, args.quant)
+        config = AB.apply(table, json.loads(args.variant))
+    runs = {"ours": lambda: fused_experts_triton(x, w1, w2, weights, ids, T.ACTIVATION, config=config, **quant_args)}
+    if tk.is_available() and not args.no_peer and args.quant == "none":
         runs["triton_kernels"] = lambda: tk.fused_experts(x, w1, w2, weights, ids, T.ACTIVATION)
     for fn in runs.values():
         fn()

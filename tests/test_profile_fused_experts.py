@@ -16,6 +16,12 @@ def test_options():
     args = profile_fused_experts.parse_args(["--model", "mixtral-8x7b", "--tokens", "8", "--calls", "3",
                                              "--no-peer"])
     assert (args.calls, args.no_peer) == (3, True)
+    assert (args.quant, args.variant) == ("none", None)
+    args = profile_fused_experts.parse_args(["--model", "gpt-oss-120b", "--tokens", "1", "--quant", "mxfp4_mma",
+                                             "--variant", '{"gemm2": {"split_k": 2}}'])
+    assert (args.quant, args.variant) == ("mxfp4_mma", '{"gemm2": {"split_k": 2}}')
+    with pytest.raises(SystemExit):
+        profile_fused_experts.parse_args(["--model", "gpt-oss-120b", "--tokens", "1", "--quant", "int4"])
     with pytest.raises(SystemExit):
         profile_fused_experts.parse_args(["--model", "qwen3-30b-a3b"])
     with pytest.raises(SystemExit):
