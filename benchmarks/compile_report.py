@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="NVIDIA H100 80GB HBM3", help="whose tuned table picks the config")
     p.add_argument("--experts", type=int, default=8, help="experts held (default: %(default)s)")
     p.add_argument("--all-kernels", action="store_true", help="also the routing, quantization and slot-sum launches")
+    p.add_argument("--dump", default=None, metavar="DIR",
+                   help="also write each kernel's PTX and SASS there (KERNEL.ptx, KERNEL.sass)")
     # The two child processes: the interpreter's records the launches, the other compiles them.
     p.add_argument("--record", default=None, help=argparse.SUPPRESS)
     p.add_argument("--compile", default=None, help=argparse.SUPPRESS)
@@ -124,12 +126,16 @@ class _StandInDriver:
         return torch.device("cpu")
 
 
-def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str) -> dict:
-    """ptxas -v of one kernel's PTX for sm_90a, and the wgmma waits of its SASS."""
+def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str, dump: str | None = None) -> dict:
+    """ptxas -v of one kernel's PTX for sm_90a, and the wgmma waits of its SASS (written as ``dump``.ptx / .sass
+    when given)."""
     src, obj = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.o")
     Path(src).write_text(ptx)
     info = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", obj], capture_output=True, text=True).stderr
     sass = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True).stdout
+    if dump:
+        Path(dump + ".ptx").write_text(ptx)
+        Path(dump + ".sass").write_text(sass)
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     return {"registers": int(regs.group(1)) if regs else None,
@@ -140,8 +146,9 @@ def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str) -> dict:
             "wgmma_waits_for_all": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass))}
 
 
-def compile_launches(record: str, all_kernels: bool) -> list[dict]:
-    """Each recorded launch compiled for sm_90 (this process: no interpreter) -> its facts."""
+def compile_launches(record: str, all_kernels: bool, dump: str | None = None) -> list[dict]:
+    """Each recorded launch compiled for sm_90 (this process: no interpreter) -> its facts; ``dump``: a folder
+    for each kernel's PTX and SASS."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -157,7 +164,8 @@ def compile_launches(record: str, all_kernels: bool) -> list[dict]:
                 continue
             kernel = getattr(importlib.import_module(module), name)
             compiled = kernel.warmup(*args, grid=(1,), **kwargs)
-            facts = sass_facts(ptxas, cuobjdump, compiled.asm["ptx"], folder)
+            facts = sass_facts(ptxas, cuobjdump, compiled.asm["ptx"], folder,
+                               os.path.join(dump, name) if dump else None)
             rows.append(dict(kernel=name, num_warps=compiled.metadata.num_warps,
                              num_stages=compiled.metadata.num_stages, shared=compiled.metadata.shared,
                              **{k: v for k, v in kwargs.items() if k.isupper() and isinstance(v, (int, bool))},
@@ -181,7 +189,9 @@ def main(argv=None) -> int:
         import triton
 
         print(json.dumps({"triton": triton.__version__}))
-        for row in compile_launches(args.compile, args.all_kernels):
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+        for row in compile_launches(args.compile, args.all_kernels, args.dump):
             print(json.dumps(row))
         return 0
     argv = list(argv if argv is not None else sys.argv[1:])

@@ -303,6 +303,13 @@ def _unfused_case(quant, M, device, L=4, r=16, r2=8, seed=0, E=8, N=128, K=256, 
     return experts_on, (x, weights, ids, mapping)
 
 
+# GPU against CPU per format. fp8 block: expert_gemm2 quantizes its bf16 input (the activation plus the LoRA term) to
+# e4m3, so where the two devices' bf16 values differ by one rounding the e4m3 value moves a whole step (2^-4 to 2^-3
+# relative); measured 1.12e-2 at M = 1 on the H100 (one token, 4 slots of 128 values). The adapters move the
+# outputs by 18-28% (CPU, these cases): a missing or misapplied term is far outside either bound.
+UNFUSED_LORA_TOL = {"none": 1e-2, "mxfp4": 1e-2, "fp8_block": 3e-2}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant", ["none", "mxfp4", "fp8_block"])
 @pytest.mark.parametrize("M", [1, 300])
@@ -311,7 +318,8 @@ def test_cuda_unfused_with_lora_on_every_format(quant, M):
     x, weights, ids, mapping = inputs
     cpu = experts_on("cpu").apply(x, weights, ids, token_lora_mapping=mapping)
     gpu = experts_on("cuda").apply(*[t.cuda() for t in inputs[:3]], token_lora_mapping=mapping.cuda())
-    assert rel_err(gpu.cpu(), cpu) < 1e-2
+    err = rel_err(gpu.cpu(), cpu)
+    assert err < UNFUSED_LORA_TOL[quant], f"rel_err {err:.3e} against the CPU path"
     base = experts_on("cuda").apply(*[t.cuda() for t in inputs[:3]])
     none = mapping < 0
     assert torch.equal(gpu.cpu()[none], base.cpu()[none])
