@@ -274,7 +274,7 @@ def _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.cons
     else:
         nch = tl.cdiv(k_left, 64)
         q = tl.load(ptrs, mask=(tl.arange(0, C * 512) // 512 < nch)[None, :], other=0)
-        s = tl.load(s_ptrs, mask=(tl.arange(0, C * 32) // 32 < nch)[None, :], other=127)
+        s = tl.load(s_ptrs, mask=(tl.arange(0, C * 32) // 32 < nch)[None, :], other=0)
     # scales [B, (chunk, g, h, group)] -> per code byte [B, (chunk, g, t, step = (group, k8), h, i)]
     f = tl.permute(tl.reshape(_mma_scales(s, PTX), (B, C, 8, 2, 2)), (0, 1, 2, 4, 3))
     f = tl.broadcast_to(tl.reshape(f, (B, C, 8, 1, 2, 1, 2, 1)), (B, C, 8, 4, 2, 2, 2, 2))
