@@ -22,11 +22,13 @@ def _has_ptxas() -> bool:
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas for sm_90")
-def test_report_of_the_mxfp4_sorted_kernels():
+def test_report_of_the_mxfp4_sorted_kernels(tmp_path):
     """gpt-oss-20b with MXFP4 weights in the MMA layout at M = 16 (the sorted schedule): both GEMMs compiled for
-    sm_90 with their tensor-core loops (wgmma) and a register count; the config line printed first."""
+    sm_90 with their tensor-core loops (wgmma) and a register count; the config line printed first; ``--dump``
+    wrote each kernel's PTX and its SASS with the wgmma instructions the report counted."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--model", "gpt-oss-20b",
-                          "--quant", "mxfp4_mma", "--tokens", "16"], capture_output=True, text=True, timeout=1200)
+                          "--quant", "mxfp4_mma", "--tokens", "16", "--dump", str(tmp_path)], capture_output=True,
+                         text=True, timeout=1200)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert any(line.startswith("config: MoeConfig(path='sorted'") for line in lines), out.stdout
@@ -35,6 +37,8 @@ def test_report_of_the_mxfp4_sorted_kernels():
         registers = int(row.split("registers ")[1].split()[0])
         wgmma = int(row.split("wgmma ")[1].split()[0])
         assert 0 < registers <= 255 and wgmma > 0, row
+        assert ".entry " + kernel in (tmp_path / f"{kernel}.ptx").read_text()
+        assert (tmp_path / f"{kernel}.sass").read_text().count("GMMA.") == wgmma
 
 
 def test_sass_facts_reads_ptxas_and_the_waits(tmp_path, monkeypatch):
@@ -49,6 +53,7 @@ def test_sass_facts_reads_ptxas_and_the_waits(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, stdout=sass if "-sass" in cmd else "", stderr=info)
 
     monkeypatch.setattr(compile_report.subprocess, "run", fake_run)
-    facts = compile_report.sass_facts("ptxas", "cuobjdump", "// ptx", str(tmp_path))
+    facts = compile_report.sass_facts("ptxas", "cuobjdump", "// ptx", str(tmp_path), str(tmp_path / "k"))
+    assert (tmp_path / "k.ptx").read_text() == "// ptx" and (tmp_path / "k.sass").read_text() == sass
     assert facts == {"registers": 251, "spill_stores": 8, "spill_loads": 4, "wgmma_serialized_warning": True,
                      "wgmma": 2, "wgmma_waits_for_all": 1}

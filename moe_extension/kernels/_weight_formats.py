@@ -274,6 +274,11 @@ def _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.cons
     else:
         nch = tl.cdiv(k_left, 64)
         q = tl.load(ptrs, mask=(tl.arange(0, C * 512) // 512 < nch)[None, :], other=0)
+        # NOTE: masked scale bytes read as 0 (the copy's zero fill; the codes there are 0, and 0 times any finite
+        # factor is 0): with another value each byte was selected and repacked, 43 more instructions per step of
+        # gemv1 (430 against 387, ``compile_report.py --dump``), gpt-oss-120b M = 1 36.4 against 35.0 us on the H100
+        # (benchmarks/results/ab_mxfp4_mma_h100.txt: ``ab_fused_experts.py --quant mxfp4_mma --model gpt-oss-120b
+        # --tokens 1``, before and after).
         s = tl.load(s_ptrs, mask=(tl.arange(0, C * 32) // 32 < nch)[None, :], other=0)
     # scales [B, (chunk, g, h, group)] -> per code byte [B, (chunk, g, t, step = (group, k8), h, i)]
     f = tl.permute(tl.reshape(_mma_scales(s, PTX), (B, C, 8, 2, 2)), (0, 1, 2, 4, 3))
