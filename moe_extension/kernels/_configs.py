@@ -90,9 +90,6 @@ class GemmConfig:
     # block_m / tile_m programs (super-grouped order, group_m >= 1), so that a short reduction (few steps per tile)
     # has smaller tiles, on fewer warps, several to an SM, whose loads overlap each other's epilogues.
     tile_m: int = 0
-    # Direct schedule, tensor-core GEMVs: a cap on the registers per thread (Triton's ``maxnreg``; 0 = ptxas's
-    # choice), so that more programs fit on an SM when the grid has more of them than the default allows.
-    max_registers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

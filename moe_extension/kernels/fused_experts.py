@@ -366,11 +366,6 @@ def _gemv2_dot_counters(M: int, topk: int, K: int, N: int, cfg: GemmConfig, sum_
     return groups * cdiv(K, cfg.block_n) if arrivals > 1 else 0
 
 
-def _register_cap(cfg: GemmConfig) -> dict:
-    """The launch option of ``cfg.max_registers`` (none when 0)."""
-    return {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
-
-
 def _zeroed_counters(n: int, device) -> torch.Tensor:
     return torch.zeros((max(1, n),), dtype=torch.int32, device=device)
 
@@ -417,7 +412,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
             G_ON_A=weights is not None, A_Q=x_scale is not None, Q_OUT=out_scale is not None, **lora_flags,
-            **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg)),
+            **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
     grid = (cdiv(n_out, cfg.block_n), M * topk)
@@ -471,7 +466,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
             SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
             A_Q=a_scale is not None, **lora_flags,
-            **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(cfg)),
+            **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
     # NOTE: cfg.block_n is sized for tiles of all the token's slots (SLOTS x block_n x block_k); one pair
