@@ -430,15 +430,6 @@ def add_cell_arguments(p) -> None:
     p.add_argument("--tokens", type=int, required=True, help="M")
 
 
-def cell_inputs(model: str, M: int, n_sets: int):
-    """(w1, w2, sets) of one benchmark cell: the model's bf16 weights ("linear") and ``n_sets`` rotated
-    input sets of M tokens, drawn after ``torch.manual_seed(0)`` (the A/B and profiling scripts' inputs)."""
-    d = MODELS[model]
-    torch.manual_seed(0)
-    w1, w2 = make_weights(d["E"], d["K"], d["N"], torch.bfloat16, "linear")
-    return w1, w2, make_sets(d["E"], d["topk"], d["K"], M, torch.bfloat16, n_sets)
-
-
 def make_sets(E, topk, K, M, dtype, n_sets):
     """Rotated (x, topk_weights, topk_ids) sets with random routing."""
     sets = []
