@@ -182,10 +182,11 @@ def _graph_inputs(M, gen, op):
     return [x, g, ids]
 
 
-def _persistent_gemm2(monkeypatch, force_pdl: bool = False) -> list:
+def _persistent_gemm2(monkeypatch, force_pdl: bool = False, gemm1: bool = False) -> list:
     """Every sorted-path config of the fused path with ``gemm2.persistent`` (sm_90+; skip otherwise); returns
     the list that records the ``pdl`` flag of each launch of the persistent gemm2 (so a test can check the
-    path was taken, and how it was launched). ``force_pdl``: launch it with PDL."""
+    path was taken, and how it was launched). ``force_pdl``: launch it with PDL. ``gemm1``: the persistent gemm1
+    too (no tail tiles)."""
     if not fe.tma_capable(torch.device("cuda")):
         pytest.skip("the persistent gemm2 needs sm_90+")
     table = fe.get_config
@@ -194,8 +195,9 @@ def _persistent_gemm2(monkeypatch, force_pdl: bool = False) -> list:
         cfg = table(*args)
         if cfg.path != "sorted":
             return cfg
-        return dataclasses.replace(cfg, gemm2=dataclasses.replace(cfg.gemm2, persistent=True, tail_m=0, split_k=1,
-                                                                  num_stages=min(cfg.gemm2.num_stages, 3)))
+        g1 = dataclasses.replace(cfg.gemm1, persistent=True, tail_m=0) if gemm1 else cfg.gemm1
+        return dataclasses.replace(cfg, gemm1=g1, gemm2=dataclasses.replace(
+            cfg.gemm2, persistent=True, tail_m=0, split_k=1, num_stages=min(cfg.gemm2.num_stages, 3)))
 
     monkeypatch.setattr(fe, "get_config", get_config)
     launches = []
@@ -213,11 +215,12 @@ def _persistent_gemm2(monkeypatch, force_pdl: bool = False) -> list:
 @cuda
 @pytest.mark.parametrize("op", ["fused_experts", "fused_moe"])
 @pytest.mark.parametrize("M,persistent", [(1, False), (8, False), (64, False), (512, False), (64, True),
-                                          (512, True), (512, "pdl")])
+                                          (512, True), (512, "pdl"), (512, "gemm1")])
 def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
     """persistent: the sorted path with the persistent gemm2 (forced on); "pdl": launched with PDL too
-    (the product launches it without)."""
-    launches = _persistent_gemm2(monkeypatch, force_pdl=persistent == "pdl") if persistent else None
+    (the product launches it without); "gemm1": the persistent gemm1 too."""
+    launches = (_persistent_gemm2(monkeypatch, force_pdl=persistent == "pdl", gemm1=persistent == "gemm1")
+                if persistent else None)
     gen = torch.Generator(device="cuda").manual_seed(M)
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)
@@ -236,6 +239,38 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
     if persistent:
         assert launches, "the persistent gemm2 ran"
         assert all(pdl == (persistent == "pdl") for pdl in launches), "launched with PDL only when asked"
+
+
+@cuda
+@pytest.mark.parametrize("act", ["swigluoai", "silu", "gelu"])
+@pytest.mark.parametrize("gemm2_persistent", [False, True])
+def test_persistent_gemm1_matches_tiles(monkeypatch, act, gemm2_persistent):
+    """The persistent gemm1 (one program per SM over the used blocks' tiles) computes every tile as the
+    one-program-per-tile launch without tail tiles: outputs bitwise equal, with the persistent gemm2 after it or
+    the tiled gemm2 launched with PDL (which must then wait for gemm1's completion, not for per-tile signals)."""
+    if not fe.tma_capable(torch.device("cuda")):
+        pytest.skip("the persistent kernels need sm_90+")
+    taken = []
+    ok = fe._persistent_gemm1_ok
+    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg: taken.append(ok(cfg)) or taken[-1])
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for M, E, topk, K, N in [(77, 8, 2, 1024, 704), (1000, 64, 6, 2048, 768), (4096, 16, 4, 1000, 333)]:
+        w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        g, ids = _routing(M, E, topk, True, gen)
+        cfg = fe.get_config(M, E, N, K, topk, torch.bfloat16, True, True, x.device)
+        cfg = dataclasses.replace(cfg, path="sorted", block_m=cfg.block_m or 64,
+                                  gemm1=dataclasses.replace(cfg.gemm1, tail_m=0, persistent=False),
+                                  gemm2=dataclasses.replace(cfg.gemm2, persistent=gemm2_persistent, tail_m=0,
+                                                            split_k=1, num_stages=min(cfg.gemm2.num_stages, 3)))
+        outs = []
+        for persistent in (False, True):
+            c = dataclasses.replace(cfg, gemm1=dataclasses.replace(cfg.gemm1, persistent=persistent))
+            taken.clear()
+            outs.append(fe.fused_experts_triton(x, w1, w2, g, ids, act, w1_bias=b1, w2_bias=b2, config=c))
+            assert any(taken) == persistent, "the persistent gemm1 ran exactly when asked"
+        assert torch.equal(outs[0], outs[1]), (M, E, act)
+        assert outs[0].isfinite().all() and outs[0].abs().max() > 0
 
 
 @cuda

@@ -387,14 +387,14 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "router_on_input", *_RUNTIME_STRIDES])
 def gemm1_sorted_kernel(
     x_ptr, xs_ptr, a_desc, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
-    block_expert_ptr, counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, has_bias,
+    block_expert_ptr, counts_ptr, starts_ptr, done_ptr, P, topk, N_OUT, N_HALF, K, num_blocks_m, last_expert, has_bias,
     router_on_input, stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm, stride_gk, alpha, limit,
     ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr,
     SIGNAL: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, Q_OUT: tl.constexpr,
-    A_Q: tl.constexpr, ROW_SCALES: tl.constexpr,
+    A_Q: tl.constexpr, ROW_SCALES: tl.constexpr, PERSISTENT: tl.constexpr = False, NUM_SMS: tl.constexpr = 1,
 ):
     """out[row, n] for n < N_OUT (N_OUT = N with an activation, 2N without; N_HALF = N).
 
@@ -421,6 +421,22 @@ def gemm1_sorted_kernel(
     few variants.
     """
     grid_dependency(PDL)
+    if PERSISTENT:
+        tl.static_assert(TAIL_M == 0 and not SIGNAL, "the persistent gemm1 runs whole blocks and signals nothing")
+        # The used blocks end where the last local expert's padded rows end (as in _gemm2_persistent).
+        used = (tl.load(starts_ptr + last_expert)
+                + tl.cdiv(tl.load(counts_ptr + last_expert), BLOCK_M) * BLOCK_M) // BLOCK_M
+        tiles_n = tl.cdiv(N_OUT, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), used * tiles_n, NUM_SMS, flatten=True):
+            expert, pid_m, pid_n = _tile(tile, used, tiles_n, block_expert_ptr, counts_ptr, starts_ptr, BLOCK_M,
+                                         GROUP_M)
+            _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
+                         expert, pid_m * BLOCK_M, pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias,
+                         router_on_input, stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se,
+                         stride_sn, stride_sk, stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm,
+                         stride_gk, alpha, limit, ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N,
+                         BLOCK_K, W_DESC, A_DESC, WFMT, PTX, G_ON_A, Q_OUT, A_Q, ROW_SCALES)
+        return
     expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), block_expert_ptr, counts_ptr,
                                  starts_ptr, BLOCK_M, GROUP_M)
     if expert < 0:

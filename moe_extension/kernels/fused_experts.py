@@ -221,6 +221,9 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         # (expert_gemm1_triton with config= gemm1 block_n 64) against 5965.4 us (645 TFLOP/s) with 2 x 128.
         block_n = 2 * cfg.block_n
     grid = (routing.max_blocks * cdiv(n_out, block_n),)
+    persistent = out_sorted and not signal and _persistent_gemm1_ok(cfg)
+    if persistent:
+        grid = (min(sm_count(x.device), grid[0]),)
     halves = act not in (kern.ACT_NONE, kern.ACT_SWIGLUOAI)
     if not w1.element_tiles:
         w_desc = None
@@ -242,7 +245,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         weights if weights is not None else out,
         routing.sorted_pairs, routing.block_expert, routing.expert_counts, routing.expert_starts,
         routing.tiles_done, routing.inverse.numel(), topk, n_out, two_n // 2, K, routing.max_blocks,
-        int(bias is not None), int(weights is not None),
+        E - 1, int(bias is not None), int(weights is not None),
         x.stride(0), x.stride(1), _stride(x_scale, 0), *w1.strides, _stride(bias, 0), _stride(bias, 1),
         out.stride(0), out.stride(1), _stride(out_scale, 0), _stride(weights, 0), _stride(weights, 1), float(alpha),
         float(limit), ACT=act, OUT_SORTED=out_sorted, ZERO_PAD=out_sorted and zero_padding, EVEN_K=K % cfg.block_k == 0,
@@ -251,9 +254,16 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
         Q_OUT=out_scale is not None, A_Q=x_scale is not None, ROW_SCALES=fp8 and halves and two_n // 2 % 128 != 0,
+        PERSISTENT=persistent, NUM_SMS=sm_count(x.device) if persistent else 1,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     return rows, rows_scale
+
+
+def _persistent_gemm1_ok(cfg: GemmConfig) -> bool:
+    """Whether the fused path's gemm1 runs persistent (one program per SM walking the used blocks' tiles,
+    ``gemm1_sorted_kernel`` PERSISTENT): asked for, without tail tiles; it then signals no tiles to gemm2."""
+    return cfg.persistent and cfg.tail_m == 0
 
 
 def split_reduction(N: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -551,9 +561,10 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         # persistent gemm2 reads only valid rows, so gemm1 leaves the padding rows unwritten for it (at qwen3
         # M = 4096 ~8k rows, 12.6 MB of stores; the end-to-end change was inside the noise).
         persistent = w2.dense and _persistent_gemm2_ok(a, w2.w, cfg.gemm2)
+        # A persistent gemm1 signals no tiles: gemm2 then waits for its completion.
+        signal = pdl and not persistent and not _persistent_gemm1_ok(cfg.gemm1)
         rows = _gemm1_sorted(x, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1, pdl,
-                             signal=pdl and not persistent, zero_padding=not persistent, x_scale=x_scale,
-                             out_scale=a_scale)
+                             signal=signal, zero_padding=not persistent, x_scale=x_scale, out_scale=a_scale)
         if persistent:
             # Sorted rows (padding rows never written), summed through routing.inverse.
             y = torch.empty((a.shape[0], K), dtype=dtype, device=dev)
@@ -568,7 +579,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
             y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
             _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl,
-                          wait_tiles_n1=cdiv(N, cfg.gemm1.block_n) if pdl else 0, a_scale=a_scale)
+                          wait_tiles_n1=cdiv(N, cfg.gemm1.block_n) if signal else 0, a_scale=a_scale)
         _sum_slots(y, routing.inverse, out, topk, pdl)
         del rows
     return out
