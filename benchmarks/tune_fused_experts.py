@@ -6,10 +6,10 @@ routings (every token picks topk distinct experts, ``torch.rand(M, E).topk``), b
 - the sorted path: for each candidate ``block_m`` the routing, each first-GEMM tile candidate and each
   second-GEMM (+ slot sum) candidate on their own (each with pointer and with TMA loads; the first GEMM
   also with TMA weight tiles and pointer-gathered token rows), keeping the fastest of each, then the
-  winner's tail tile heights (``tail_m``) and the winner in expert-major tile order (``group_m`` 0), and
-  a second GEMM with TMA rows also as a persistent kernel (``persistent``), at blocks of 128 rows and more the
-  second GEMM's winner in row tiles of half the block on 4 warps (``tile_m``); the best ``block_m`` by the sum
-  of the three;
+  winner's tail tile heights (``tail_m``) and the winner in expert-major tile order (``group_m`` 0), the first
+  GEMM's winner and a second GEMM with TMA rows also as persistent kernels (``persistent``; 16-bit weights), at
+  blocks of 128 rows and more the second GEMM's winner in row tiles of half the block on 4 warps (``tile_m``); the
+  best ``block_m`` by the sum of the three;
 - the direct path (tiny M only): each GEMV candidate of both GEMMs;
 then times the best of each path end to end through ``fused_experts_triton`` and keeps the faster. The
 winner is checked against the heuristic's output (rel err <= 1e-2) before it is written.
@@ -511,6 +511,11 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
         few_blocks = (M * topk / bm + min(M * topk, E)) * math.ceil(K / 64) < 4 * 132
         g1s, g2s = sorted_candidates(bm, few_blocks, dtype, N, K, quant)
         g1_best = fastest(time_g1, g1s, bm)
+        if quant == "none" and g1_best[1] is not None:
+            # the winner as a persistent kernel (no tail tiles)
+            g = sanitize(MoeConfig("sorted", bm, dataclasses.replace(g1_best[1], persistent=True), g1_best[1]),
+                         dtype, N, K).gemm1
+            g1_best = min(g1_best, (time_g1(g), g), key=lambda x: x[0])
         g2_best = fastest(time_g2, g2s, bm)
         if quant == "none" and g2_best[1] is not None and g2_best[1].tma_a:
             # the winner as a persistent kernel (its stages refit to hold the output tile)

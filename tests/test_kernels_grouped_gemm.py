@@ -338,6 +338,39 @@ def test_persistent_gemm2(monkeypatch, bias, emap, on_input, group_m, K):
     assert y[valid].isfinite().all() and y[~valid].isnan().all()
 
 
+@pytest.mark.parametrize("act,bias,emap,on_input,group_m,tma,gemm2_persistent", [
+    ("swigluoai", True, True, False, 0, True, True), ("silu", False, False, True, 8, False, False),
+    ("gelu", True, False, False, 2, True, False), ("gelu_tanh", False, True, False, 0, False, True)])
+def test_persistent_gemm1(monkeypatch, act, bias, emap, on_input, group_m, tma, gemm2_persistent):
+    """gemm1.persistent: one program per SM (4 in the interpreter, each walking several tiles of the used blocks)
+    computes each tile as the one-program-per-tile launch does: the fused output bitwise equal to the tiled gemm1's
+    (same dot order), close to the reference; both tile orders, TMA or pointer weight tiles, with the persistent
+    gemm2 after it (padding rows unwritten) or the tiled one (padding rows stored as 0). A tail_m asked for with it
+    is dropped by ``sanitize``."""
+    _use_tma(monkeypatch)
+    dtype = CASE_DTYPES[1]
+    M, topk, E, K, N, bm = 97, 3, 6, 48, 40, 16
+    x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, bias=bias, emap=emap, on_input=on_input, seed=group_m + 5)
+    g1 = GemmConfig(16, 16, 4, 2, group_m=group_m, tma_weights=tma)
+    g2 = GemmConfig(16, 16, 4, 2, tma_weights=True, tma_a=True, persistent=gemm2_persistent)
+    base = MoeConfig("sorted", bm, g1, g2)
+    pers = dataclasses.replace(base, gemm1=dataclasses.replace(g1, persistent=True))
+    assert configs.sanitize(pers, dtype, N, K, topk) == pers
+    assert configs.sanitize(dataclasses.replace(pers, gemm1=dataclasses.replace(pers.gemm1, tail_m=8)), dtype, N, K,
+                            topk) == pers
+    taken = []
+    real = fe._persistent_gemm1_ok
+    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg: taken.append(real(cfg)) or taken[-1])
+    ref = fused_experts_triton(x, w1, w2, g, ids, act, config=base, **kw)
+    assert not any(taken)
+    monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
+    out = fused_experts_triton(x, w1, w2, g, ids, act, config=pers, **kw)
+    monkeypatch.setattr(fe, "torch", torch)
+    assert any(taken), "the persistent gemm1 ran"
+    assert torch.equal(out, ref)
+    assert_close(out, fused_experts_reference(x, w1, w2, g, ids, act, **kw), tolerance(dtype, DEVICE))
+
+
 @pytest.mark.parametrize("single_program_max_pairs", [0, 128])
 @pytest.mark.parametrize("tail_m", [0, 16])
 def test_gemm2_starts_on_counted_gemm1_tiles(monkeypatch, tail_m, single_program_max_pairs):
@@ -553,18 +586,19 @@ def test_sanitize_gemm2_row_tiles():
 
 def test_dense_heuristic_tiles_by_block_m():
     """16-bit weights (dbrx-tp8's experts: E 16, topk 4, K 6144, N 1344): blocks of 64 rows from 24 rows per expert
-    on, of 128 from 64, and the tiles of ``dense_sorted_tiles`` per block height (gemm2 persistent at 128); fp32
-    activations and the quantized formats keep their own rules."""
+    on, of 128 from 64, and the tiles of ``dense_sorted_tiles`` per block height (both GEMMs persistent at 128);
+    fp32 activations and the quantized formats keep their own rules (never a persistent gemm1)."""
     def bf16(M, N=1344, dtype=torch.bfloat16, quant="none"):
         return configs.heuristic_config(M, 16, N, 6144, 4, dtype, True, True, 132, quant)
 
     c = bf16(512)  # 128 rows per expert
     assert c.block_m == 128 and (c.gemm1.block_n, c.gemm1.group_m, c.gemm1.tma_weights) == (128, 0, True)
+    assert c.gemm1.persistent and c.gemm1.tail_m == 0
     assert (c.gemm2.block_n, c.gemm2.tma_weights, c.gemm2.persistent) == (256, True, True)
     assert bf16(300).block_m == 128 and bf16(256).block_m == 128  # 75 and 64 rows
     c = bf16(240)  # 60 rows
     assert c.block_m == 64 and c.gemm1.block_n == 64 and c.gemm1.tma_weights and bf16(240, N=4096).gemm1.block_n == 128
-    assert not c.gemm2.persistent
+    assert not c.gemm2.persistent and not c.gemm1.persistent
     assert bf16(128).block_m == 64 and bf16(100).block_m == 64  # 32 and 25 rows: the block above
     c = bf16(80)  # 20 rows
     assert c.block_m == 32 and (c.gemm1.block_k, c.gemm1.tail_m) == (128, 16) and c.gemm2.tma_a and c.gemm2.tma_weights
@@ -575,6 +609,8 @@ def test_dense_heuristic_tiles_by_block_m():
     mx = bf16(512, quant="mxfp4")
     assert mx.block_m == 64 and mx.gemm1.group_m == 8 and not mx.gemm1.tma_weights
     assert bf16(512, quant="fp8_block").block_m == 64
+    assert not any(configs.get_config(8192, 16, 1344, 6144, 4, torch.bfloat16, True, True, torch.device("cpu"),
+                                      q).gemm1.persistent for q in ("mxfp4", "mxfp4_mma", "fp8_block"))
 
 
 def test_direct_heuristic_second_gemv_rows():

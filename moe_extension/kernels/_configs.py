@@ -81,10 +81,12 @@ class GemmConfig:
     # NOTE: H100, gemm1 with the copy: mixtral M = 4096 3114 -> 2889 us + 40 us of copy (a win); qwen3
     # M = 4096 451 -> 433 us + 62 us of copy (a loss): a per-shape choice of the table.
     tma_a: bool = False
-    # Sorted path, fused gemm2 only: one program per SM walks the tiles (``_gemm2_persistent``): A rows and
+    # Sorted path, fused: one program per SM walks the tiles. gemm2 (``_gemm2_persistent``): A rows and
     # output rows by ragged TMA bounded to each expert (padding rows neither read nor written), the output in
     # sorted order for the slot sum; tail_m and split_k do not apply. Needs sm_90+, 16-bit activations and
-    # TMA-capable layouts, else the non-persistent kernel runs.
+    # TMA-capable layouts, else the non-persistent kernel runs. gemm1 (``gemm1_sorted_kernel`` PERSISTENT):
+    # 16-bit weights, no tail tiles (sanitize sets tail_m 0), and no per-tile signal to gemm2 (which then waits
+    # for gemm1's completion).
     persistent: bool = False
     # Sorted path, gemm2 only: rows per program (0 = block_m), a power of two below block_m: each block runs as
     # block_m / tile_m programs (super-grouped order, group_m >= 1), so that a short reduction (few steps per tile)
@@ -300,8 +302,8 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     - 32 rows: gemm1 64 x 128 steps, 3 stages, weights by TMA in expert-major order, 16-row tail tiles; gemm2's
       weights and rows by TMA;
     - 64 rows: gemm1's weights by TMA in expert-major order, 128 columns (256 weight rows) for N >= 2048;
-    - 128 rows: gemm1 128 columns (256 weight rows), weights by TMA in expert-major order; gemm2 256 output
-      columns, weights by TMA.
+    - 128 rows: gemm1 128 columns (256 weight rows), weights by TMA in expert-major order, persistent (no tail
+      tiles); gemm2 256 output columns, weights by TMA, persistent.
 
     From 24 rows per expert on, blocks of 64 rows: at 32-40 rows an expert often spills into a second, small
     block of 32 that runs its weight tiles again. From 64 rows, blocks of 128, and gemm2 runs as the persistent
@@ -346,7 +348,16 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         g1 = dataclasses.replace(g1, block_n=128 if wide else 64, num_stages=3 if wide else 4, group_m=0,
                                  tma_weights=True)
     elif block_m == 128:
-        g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True)
+        # NOTE: gemm1 persistent without tail tiles against the tiled launch with 32-row tail tiles (the rule
+        # before), H200, bf16, swigluoai, medians of 3 interleaved CUDA-graph rounds, outputs bitwise equal:
+        # deepseek-v2-lite M = 2048 (192 rows per expert) 519.2 against 553.2 us, M = 8192 1580.1 against 1662.3;
+        # dbrx-tp8 M = 8192 2793.4 against 2879.5; qwen2-57b-a14b-tp2 M = 8192 3149.7 against 3286.3; qwen3-30b-a3b
+        # M = 4096 742.8 against 761.5; mixtral-8x7b-tp2 M = 2048 1341.5 against 1357.2, M = 8192 4693.3 against
+        # 4694.9; qwen3-235b-a22b-tp4 M = 8192 1424.5 against 1401.4 (benchmarks/results/ab_persistent_gemm1_h200.txt:
+        # the former rule is the variant of ``python benchmarks/ab_fused_experts.py --model deepseek-v2-lite --tokens
+        # 2048 --variant '{"gemm1": {"persistent": false, "tail_m": 32}}'``, and so on). Its rows copied for TMA
+        # loads (tma_a) were slower.
+        g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True, persistent=True, tail_m=0)
         g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
     return g1, g2
 
@@ -480,9 +491,9 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     tail_m of 0 or 16 .. block_m / 2 (sorted only), a split_k that leaves every split work, and pipelined
     tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots).
     MXFP4 weights: block_k of at least one scale group (32) and tiles of at least 4 packed bytes per thread
-    (``mxfp4_tiles``), pointer loads of the weights and no persistent gemm2 (both need 16-bit weights).
+    (``mxfp4_tiles``), pointer loads of the weights and no persistent GEMMs (both need 16-bit weights).
     fp8 block: ``fp8_tiles`` (sorted) and ``fp8_gemv_tiles`` (direct), whole 128-column scale blocks per step,
-    block_m up to ``fp8_max_block_m``, no persistent gemm2."""
+    block_m up to ``fp8_max_block_m``, no persistent GEMMs. A persistent gemm1 runs no tail tiles (tail_m 0)."""
     esize = torch.empty((), dtype=dtype).element_size()
     g1, g2 = cfg.gemm1, cfg.gemm2
     if quant == "mxfp4":
@@ -502,7 +513,8 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
         g2 = dataclasses.replace(g2, persistent=False)
     if cfg.path == "sorted":
         bm = min(fp8_max_block_m(N) if quant == "fp8_block" else 128, max(16, triton_next_pow2(cfg.block_m)))
-        g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=_tail(g1.tail_m, bm)), bm, 2, 16, esize)
+        g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0 if g1.persistent else _tail(g1.tail_m, bm)), bm, 2, 16,
+                  esize)
         g1 = dataclasses.replace(g1, tile_m=0)
         # MXFP4 keeps whole-block gemm2 tiles (the MMA layout's tile shapes are each checked on the GPU:
         # mxfp4_mma_tiles).
