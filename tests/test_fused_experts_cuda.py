@@ -9,8 +9,9 @@ CUDA + quant="none" to the Triton kernels of moe_extension.kernels):
   computing in fp32 on the GPU (large ones);
 - indexing past 2^31 elements (M * topk * max(K, 2N) > 2^31);
 - CUDA-graph capture of fused_experts and fused_moe at M in {1, 8, 64, 512} (and at 64, 512 with the
-  persistent gemm2 forced on): 12 replays with new inputs, each bitwise equal to eager; no host sync inside
-  the ops;
+  persistent gemm2 forced on, at 512 with both GEMMs persistent): 12 replays with new inputs, each bitwise equal to
+  eager; no host sync inside the ops;
+- the persistent gemm1 bitwise equal to the tiled one (without tail tiles), before either gemm2;
 - determinism (bitwise); torch.compile(fullgraph=True, dynamic=True): one graph for M from 2 to 4096 with
   error_on_recompile, and mode="reduce-overhead".
 """

@@ -353,10 +353,11 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # deepseek-v2-lite M = 2048 (192 rows per expert) 519.2 against 553.2 us, M = 8192 1580.1 against 1662.3;
         # dbrx-tp8 M = 8192 2793.4 against 2879.5; qwen2-57b-a14b-tp2 M = 8192 3149.7 against 3286.3; qwen3-30b-a3b
         # M = 4096 742.8 against 761.5; mixtral-8x7b-tp2 M = 2048 1341.5 against 1357.2, M = 8192 4693.3 against
-        # 4694.9; qwen3-235b-a22b-tp4 M = 8192 1424.5 against 1401.4 (benchmarks/results/ab_persistent_gemm1_h200.txt:
-        # the former rule is the variant of ``python benchmarks/ab_fused_experts.py --model deepseek-v2-lite --tokens
-        # 2048 --variant '{"gemm1": {"persistent": false, "tail_m": 32}}'``, and so on). Its rows copied for TMA
-        # loads (tma_a) were slower.
+        # 4694.9; qwen3-235b-a22b-tp4 M = 8192 1424.5 against 1401.4; at 64-136 rows per expert level or faster
+        # (llama-4-scout M = 2048 1376.5 against 1406.8, deepseek-v3-tp4 M = 2048 1619.7 against 1615.7)
+        # (benchmarks/results/ab_persistent_gemm1_h200.txt; the former rule is the variant of ``python
+        # benchmarks/ab_fused_experts.py --model deepseek-v2-lite --tokens 2048 --variant '{"gemm1": {"persistent":
+        # false, "tail_m": 32}}'``, and so on). Its rows copied for TMA loads (tma_a) were slower.
         g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True, persistent=True, tail_m=0)
         g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
     return g1, g2
