@@ -9,7 +9,6 @@ The GPU (inline PTX decode, wgmma with the decoded tile as the register operand)
 tests/test_fused_experts_mxfp4_cuda.py, which runs its matrix for both layouts.
 """
 
-import dataclasses
 import math
 
 import pytest
@@ -140,11 +139,8 @@ SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), Gem
 DIRECT = MoeConfig("direct", 0, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2, group_m=0))
 DIRECT_SPLIT = MoeConfig("direct", 0, GemmConfig(64, 128, 4, 2, group_m=0, split_k=2),
                          GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
-# gemm1 persistent (one program per SM, 4 in the interpreter, walking the used blocks' tiles; no tail tiles).
-SORTED_PERSISTENT = MoeConfig("sorted", 32, GemmConfig(128, 128, 8, 2, persistent=True),
-                              GemmConfig(256, 128, 8, 2, tail_m=16))
 CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "direct": DIRECT,
-           "direct_split": DIRECT_SPLIT, "sorted_persistent": SORTED_PERSISTENT}
+           "direct_split": DIRECT_SPLIT}
 
 
 def checked_config(name, dtype, N, K, topk) -> MoeConfig:
@@ -159,7 +155,6 @@ FUSED_CASES = [
     ("sorted_tail", "gelu", torch.float32, 48, 3, 5, 128, 64, dict(emap=True)),
     ("sorted_tail", "gelu_tanh", torch.float16, 36, 3, 5, 64, 192, dict(bias=True)),
     ("sorted_split", "swiglustep", torch.float32, 10, 4, 5, 64, 256, dict(on_input=True, emap=True)),
-    ("sorted_persistent", "swigluoai", torch.float16, 40, 3, 5, 192, 128, dict(bias=True, emap=True)),
     ("direct", "silu", torch.float16, 7, 2, 6, 128, 64, dict(bias=True, on_input=True, emap=True)),
     ("direct_split", "swigluoai", torch.float32, 6, 3, 5, 192, 256, dict(bias=True)),
     ("direct_split", "gelu", torch.float32, 9, 1, 5, 256, 192, dict(emap=True)),
@@ -190,23 +185,6 @@ def test_fused_experts_matches_torch(poisoned, case):
     tol = FP32_TOL if dtype == torch.float32 else FP16_TOL
     assert rel_err(out, kernel_rounding_reference(x, w1, w2, g, ids, act, s1, s2, kw)) <= tol
     assert rel_err(out, ref) <= (FP32_TOL if dtype == torch.float32 else ROUNDING_POINTS_TOL)
-
-
-@interpreted
-def test_persistent_gemm1_equals_tiles(poisoned):
-    """The persistent gemm1 (one program per SM walking the used blocks' tiles) computes each tile as the
-    one-program-per-tile launch: fused outputs bitwise equal, with experts of several blocks and partial ones."""
-    M, topk, E, K, N = 90, 3, 5, 192, 128
-    (_, _, _, _, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(E, K, N, bias=True, seed=3)
-    g, ids, emap = routing(M, topk, E, emap=False, seed=4)
-    counts = torch.bincount(local_ids(ids, emap, E).flatten() + 1, minlength=E + 1)[1:]
-    assert (counts > 32).any() and (counts % 32 > 0).any(), "experts of several blocks and partial blocks"
-    x = torch.randn(M, K, dtype=torch.float16)
-    pers = checked_config("sorted_persistent", torch.float16, N, K, topk)
-    outs = [fused_experts_triton(x, q1, q2, g, ids, "swigluoai", quant="mxfp4_mma", w1_scale=t1, w2_scale=t2,
-                                 config=c, w1_bias=b1, w2_bias=b2)
-            for c in (dataclasses.replace(pers, gemm1=dataclasses.replace(pers.gemm1, persistent=False)), pers)]
-    assert torch.equal(outs[0], outs[1]) and outs[0].isfinite().all() and outs[0].abs().max() > 0
 
 
 @interpreted

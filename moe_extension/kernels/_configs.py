@@ -85,8 +85,8 @@ class GemmConfig:
     # output rows by ragged TMA bounded to each expert (padding rows neither read nor written), the output in
     # sorted order for the slot sum; tail_m and split_k do not apply. Needs sm_90+, 16-bit activations and
     # TMA-capable layouts, else the non-persistent kernel runs. gemm1 (``gemm1_sorted_kernel`` PERSISTENT):
-    # 16-bit weights or MXFP4 in the MMA layout, no tail tiles (sanitize sets tail_m 0), and no per-tile signal to
-    # gemm2 (which then waits for gemm1's completion).
+    # 16-bit weights, no tail tiles (sanitize sets tail_m 0), and no per-tile signal to gemm2 (which then waits
+    # for gemm1's completion).
     persistent: bool = False
     # Sorted path, gemm2 only: rows per program (0 = block_m), a power of two below block_m: each block runs as
     # block_m / tile_m programs (super-grouped order, group_m >= 1), so that a short reduction (few steps per tile)
@@ -492,8 +492,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     tail_m of 0 or 16 .. block_m / 2 (sorted only), a split_k that leaves every split work, and pipelined
     tiles within the shared-memory budget (the direct second GEMV's tile spans next_pow2(topk) slots).
     MXFP4 weights: block_k of at least one scale group (32) and tiles of at least 4 packed bytes per thread
-    (``mxfp4_tiles``), pointer loads of the weights and no persistent gemm2 (it needs 16-bit weights; the
-    persistent gemm1 takes the MMA layout too).
+    (``mxfp4_tiles``), pointer loads of the weights and no persistent GEMMs (both need 16-bit weights).
     fp8 block: ``fp8_tiles`` (sorted) and ``fp8_gemv_tiles`` (direct), whole 128-column scale blocks per step,
     block_m up to ``fp8_max_block_m``, no persistent GEMMs. A persistent gemm1 runs no tail tiles (tail_m 0)."""
     esize = torch.empty((), dtype=dtype).element_size()
@@ -503,7 +502,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
         # decoded tile the dot reads.
         esize = max(esize, 2)
     if quant in ("mxfp4", "mxfp4_mma"):
-        g1 = dataclasses.replace(g1, tma_weights=False, persistent=g1.persistent and quant == "mxfp4_mma")
+        g1 = dataclasses.replace(g1, tma_weights=False, persistent=False)
         g2 = dataclasses.replace(g2, tma_weights=False, persistent=False)
     a_esize = esize
     if quant == "mxfp4_mma":
@@ -538,8 +537,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     if quant in DOT_GEMV_QUANTS:
         # The direct tensor-core GEMVs (``_gemv_dot``): 16 A rows, splits of whole steps; MXFP4 in the MMA layout the
         # sorted tiles' rule, fp8 block ``fp8_gemv_tiles``.
-        g1, g2 = (dataclasses.replace(g, block_n=min(cap, triton_next_pow2(g.block_n)), tail_m=0, tma_a=False,
-                                      persistent=False)
+        g1, g2 = (dataclasses.replace(g, block_n=min(cap, triton_next_pow2(g.block_n)), tail_m=0, tma_a=False)
                   for g, cap in ((g1, 128), (g2, 256)))
         if quant == "mxfp4_mma":
             g1, g2 = mxfp4_mma_tiles(g1, 2, 16, a_esize), mxfp4_mma_tiles(g2, 1, 16, a_esize)
@@ -610,7 +608,8 @@ def mxfp4_mma_tiles(g: GemmConfig, row_mult: int, block_m: int, a_esize: int) ->
 
     while smem() > SMEM_BUDGET and stages > 2:
         stages -= 1
-    return dataclasses.replace(g, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma_weights=False)
+    return dataclasses.replace(g, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, tma_weights=False,
+                               persistent=False)
 
 
 def mxfp4_tiles(g: GemmConfig, row_mult: int, reduction: int) -> GemmConfig:

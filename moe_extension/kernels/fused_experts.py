@@ -262,8 +262,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
 
 def _persistent_gemm1_ok(cfg: GemmConfig) -> bool:
     """Whether the fused path's gemm1 runs persistent (one program per SM walking the used blocks' tiles,
-    ``gemm1_sorted_kernel`` PERSISTENT): asked for, without tail tiles (``sanitize`` keeps it to 16-bit weights and
-    MXFP4 in the MMA layout);
+    ``gemm1_sorted_kernel`` PERSISTENT): asked for, without tail tiles (``sanitize`` keeps it to 16-bit weights);
     it then signals no tiles to gemm2."""
     return cfg.persistent and cfg.tail_m == 0
 
