@@ -502,6 +502,9 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
         # decoded tile the dot reads.
         esize = max(esize, 2)
     if quant in ("mxfp4", "mxfp4_mma"):
+        # NOTE: no persistent gemm1 either: in the MMA layout it took 2.1-2.9x the tiled launch's time on an H200
+        # (gpt-oss-20b M = 4096 4726.0 against 1945.0 us without tail tiles, gpt-oss-120b M = 1024 2313.4 against
+        # 1114.9; benchmarks/results/ab_persistent_gemm1_h200.txt, run 3).
         g1 = dataclasses.replace(g1, tma_weights=False, persistent=False)
         g2 = dataclasses.replace(g2, tma_weights=False, persistent=False)
     a_esize = esize
