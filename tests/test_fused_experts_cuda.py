@@ -253,7 +253,7 @@ def test_persistent_gemm1_matches_tiles(monkeypatch, act, gemm2_persistent):
         pytest.skip("the persistent kernels need sm_90+")
     taken = []
     ok = fe._persistent_gemm1_ok
-    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg: taken.append(ok(cfg)) or taken[-1])
+    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg, w1: taken.append(ok(cfg, w1)) or taken[-1])
     gen = torch.Generator(device="cuda").manual_seed(11)
     for M, E, topk, K, N in [(77, 8, 2, 1024, 704), (1000, 64, 6, 2048, 768), (4096, 16, 4, 1000, 333)]:
         w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)

@@ -344,9 +344,9 @@ def test_persistent_gemm2(monkeypatch, bias, emap, on_input, group_m, K):
 def test_persistent_gemm1(monkeypatch, act, bias, emap, on_input, group_m, tma, gemm2_persistent):
     """gemm1.persistent: one program per SM (4 in the interpreter, each walking several tiles of the used blocks)
     computes each tile as the one-program-per-tile launch does: the fused output bitwise equal to the tiled gemm1's
-    (same dot order), close to the reference; both tile orders, TMA or pointer weight tiles, with the persistent
-    gemm2 after it (padding rows unwritten) or the tiled one (padding rows stored as 0). A tail_m asked for with it
-    is dropped by ``sanitize``."""
+    (same dot order), close to the reference; both tile orders, with the persistent gemm2 after it (padding rows
+    unwritten) or the tiled one (padding rows stored as 0). With pointer weight tiles (no TMA) the tiled launch runs
+    instead. A tail_m asked for with it is dropped by ``sanitize``."""
     _use_tma(monkeypatch)
     dtype = CASE_DTYPES[1]
     M, topk, E, K, N, bm = 97, 3, 6, 48, 40, 16
@@ -360,13 +360,13 @@ def test_persistent_gemm1(monkeypatch, act, bias, emap, on_input, group_m, tma, 
                             topk) == pers
     taken = []
     real = fe._persistent_gemm1_ok
-    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg: taken.append(real(cfg)) or taken[-1])
+    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg, w1: taken.append(real(cfg, w1)) or taken[-1])
     ref = fused_experts_triton(x, w1, w2, g, ids, act, config=base, **kw)
     assert not any(taken)
     monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
     out = fused_experts_triton(x, w1, w2, g, ids, act, config=pers, **kw)
     monkeypatch.setattr(fe, "torch", torch)
-    assert any(taken), "the persistent gemm1 ran"
+    assert any(taken) == tma, "the persistent gemm1 ran with TMA weight tiles (pointer tiles: the tiled launch)"
     assert torch.equal(out, ref)
     assert_close(out, fused_experts_reference(x, w1, w2, g, ids, act, **kw), tolerance(dtype, DEVICE))
 

@@ -85,8 +85,8 @@ class GemmConfig:
     # output rows by ragged TMA bounded to each expert (padding rows neither read nor written), the output in
     # sorted order for the slot sum; tail_m and split_k do not apply. Needs sm_90+, 16-bit activations and
     # TMA-capable layouts, else the non-persistent kernel runs. gemm1 (``gemm1_sorted_kernel`` PERSISTENT):
-    # 16-bit weights, no tail tiles (sanitize sets tail_m 0), and no per-tile signal to gemm2 (which then waits
-    # for gemm1's completion).
+    # 16-bit weights whose tiles come by TMA (else the tiled launch runs), no tail tiles (sanitize sets tail_m 0),
+    # and no per-tile signal to gemm2 (which then waits for gemm1's completion).
     persistent: bool = False
     # Sorted path, gemm2 only: rows per program (0 = block_m), a power of two below block_m: each block runs as
     # block_m / tile_m programs (super-grouped order, group_m >= 1), so that a short reduction (few steps per tile)

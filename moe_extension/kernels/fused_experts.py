@@ -221,7 +221,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         # (expert_gemm1_triton with config= gemm1 block_n 64) against 5965.4 us (645 TFLOP/s) with 2 x 128.
         block_n = 2 * cfg.block_n
     grid = (routing.max_blocks * cdiv(n_out, block_n),)
-    persistent = out_sorted and not signal and _persistent_gemm1_ok(cfg)
+    persistent = out_sorted and not signal and _persistent_gemm1_ok(cfg, w1)
     if persistent:
         grid = (min(sm_count(x.device), grid[0]),)
     halves = act not in (kern.ACT_NONE, kern.ACT_SWIGLUOAI)
@@ -260,11 +260,15 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
     return rows, rows_scale
 
 
-def _persistent_gemm1_ok(cfg: GemmConfig) -> bool:
+def _persistent_gemm1_ok(cfg: GemmConfig, w1: WeightOperand) -> bool:
     """Whether the fused path's gemm1 runs persistent (one program per SM walking the used blocks' tiles,
-    ``gemm1_sorted_kernel`` PERSISTENT): asked for, without tail tiles (``sanitize`` keeps it to 16-bit weights);
-    it then signals no tiles to gemm2."""
-    return cfg.persistent and cfg.tail_m == 0
+    ``gemm1_sorted_kernel`` PERSISTENT): asked for, without tail tiles (``sanitize`` keeps it to 16-bit weights),
+    with its weight tiles by TMA (``_weight_desc``: sm_90+, a TMA-capable layout); it then signals no tiles to gemm2.
+    NOTE: only with TMA weight tiles: the flattened loop of the MXFP4 MMA layout's pointer-loaded tiles took 2.1-2.9x
+    the tiled launch's time on an H200 (benchmarks/results/ab_persistent_gemm1_h200.txt, run 3), and pointer loads
+    of 16-bit tiles in it were never measured."""
+    return (cfg.persistent and cfg.tail_m == 0 and w1.dense and cfg.tma_weights and cfg.block_n <= 128
+            and tma_capable(w1.w.device) and tma_layout_ok(w1.w, cfg.block_k))
 
 
 def split_reduction(N: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -563,7 +567,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         # M = 4096 ~8k rows, 12.6 MB of stores; the end-to-end change was inside the noise).
         persistent = w2.dense and _persistent_gemm2_ok(a, w2.w, cfg.gemm2)
         # A persistent gemm1 signals no tiles: gemm2 then waits for its completion.
-        signal = pdl and not persistent and not _persistent_gemm1_ok(cfg.gemm1)
+        signal = pdl and not persistent and not _persistent_gemm1_ok(cfg.gemm1, w1)
         rows = _gemm1_sorted(x, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1, pdl,
                              signal=signal, zero_padding=not persistent, x_scale=x_scale, out_scale=a_scale)
         if persistent:
