@@ -415,8 +415,9 @@ def gemm1_sorted_kernel(
     program adds 1 to ``done[expert]`` (release, gpu scope): an expert's count reaches
     cdiv(count, BLOCK_M) * cdiv(N_OUT, BLOCK_N) when all its tiles are stored.
     PERSISTENT (TAIL_M 0, no SIGNAL): NUM_SMS programs walk the tiles of the used blocks (those up to the end of
-    expert ``last_expert``'s padded rows) in one flattened loop, in ``_tile``'s order, each tile as above; the
-    loads of a program's next tile are issued while its current tile's epilogue runs.
+    expert ``last_expert``'s padded rows) in one flattened loop (``tl.range(flatten=True)``: Triton pipelines it
+    as one loop, so a program's next tile can load while its current one finishes), in ``_tile``'s order, each tile
+    as above.
 
     NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
     specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
