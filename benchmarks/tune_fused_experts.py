@@ -511,8 +511,8 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
         few_blocks = (M * topk / bm + min(M * topk, E)) * math.ceil(K / 64) < 4 * 132
         g1s, g2s = sorted_candidates(bm, few_blocks, dtype, N, K, quant)
         g1_best = fastest(time_g1, g1s, bm)
-        if quant == "none" and g1_best[1] is not None:
-            # the winner as a persistent kernel (no tail tiles)
+        if quant == "none" and g1_best[1] is not None and g1_best[1].tma_weights:
+            # the winner as a persistent kernel (no tail tiles; TMA weight tiles: fused_experts._persistent_gemm1_ok)
             g = sanitize(MoeConfig("sorted", bm, dataclasses.replace(g1_best[1], persistent=True), g1_best[1]),
                          dtype, N, K).gemm1
             g1_best = min(g1_best, (time_g1(g), g), key=lambda x: x[0])

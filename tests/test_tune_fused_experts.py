@@ -321,14 +321,19 @@ def test_tensor_core_direct_candidates(quant, E, K, N, topk):
 
 
 @pytest.mark.cuda
-def test_sorted_cell_times_the_persistent_gemm2(monkeypatch):
+def test_sorted_cell_times_the_persistent_gemms(monkeypatch):
+    """The tuner times its GEMM winners as persistent kernels too (gemm1's: TMA weight tiles)."""
     if not fe.tma_capable(torch.device("cuda")):
         pytest.skip("the persistent gemm2 needs sm_90+")
     E, topk, K, N, M = 8, 2, 256, 128, 512
     dtype = torch.bfloat16
     # One tile per GEMM; gemm2's already loads its rows by TMA, so every variant of it qualifies.
     monkeypatch.setattr(tune, "block_m_candidates", lambda M, E, topk: [64])
-    monkeypatch.setattr(tune, "gemm1_candidates", lambda block_m: [GemmConfig(64, 64, 4, 3)])
+    monkeypatch.setattr(tune, "gemm1_candidates", lambda block_m: [GemmConfig(64, 64, 4, 3, tma_weights=True)])
+    gemm1_runs = []
+    gemm1_ok = fe._persistent_gemm1_ok
+    monkeypatch.setattr(fe, "_persistent_gemm1_ok",
+                        lambda cfg, w1: gemm1_runs.append(gemm1_ok(cfg, w1)) or gemm1_runs[-1])
     monkeypatch.setattr(tune, "gemm2_candidates",
                         lambda block_m, small: [GemmConfig(128, 64, 4, 3, tma_weights=True, tma_a=True)])
     launched = []
@@ -347,6 +352,7 @@ def test_sorted_cell_times_the_persistent_gemm2(monkeypatch):
     sets = tune.make_sets(E, topk, K, M, dtype, 2)
     t, cfg = tune.tune_cell(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
     assert launched and all(g.persistent and g.tail_m == 0 for g in launched)
+    assert any(gemm1_runs) and not all(gemm1_runs), "gemm1 timed tiled and persistent"
     assert times and all(us < float("inf") for us in times), "time_us returns inf for a config that fails"
     assert t < float("inf") and sanitize(cfg, dtype, N, K, topk) == cfg
     x, g, ids = sets[0]
