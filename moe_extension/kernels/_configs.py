@@ -504,7 +504,10 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     if quant in ("mxfp4", "mxfp4_mma"):
         # NOTE: no persistent gemm1 either: in the MMA layout it took 2.1-2.9x the tiled launch's time on an H200
         # (gpt-oss-20b M = 4096 4726.0 against 1945.0 us without tail tiles, gpt-oss-120b M = 1024 2313.4 against
-        # 1114.9; benchmarks/results/ab_persistent_gemm1_h200.txt, run 3).
+        # 1114.9; benchmarks/results/ab_persistent_gemm1_h200.txt, run 3). Statically (Triton 3.6, sm_90) its
+        # flattened loop spills 372 / 208 B and serializes its wgmma, the tiled one 56 / 56 B, pipelined (``python
+        # benchmarks/compile_report.py --device "NVIDIA H200" --model gpt-oss-20b --tokens 4096 --quant mxfp4_mma
+        # --variant '{"gemm1": {"persistent": true, "tail_m": 0}}'`` at 492e533, where sanitize let it through).
         g1 = dataclasses.replace(g1, tma_weights=False, persistent=False)
         g2 = dataclasses.replace(g2, tma_weights=False, persistent=False)
     a_esize = esize
