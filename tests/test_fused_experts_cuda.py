@@ -222,6 +222,10 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
     (the product launches it without); "gemm1": the persistent gemm1 too."""
     launches = (_persistent_gemm2(monkeypatch, force_pdl=persistent == "pdl", gemm1=persistent == "gemm1")
                 if persistent else None)
+    gemm1_runs = []
+    gemm1_ok = fe._persistent_gemm1_ok
+    monkeypatch.setattr(fe, "_persistent_gemm1_ok",
+                        lambda cfg, w1_: gemm1_runs.append(gemm1_ok(cfg, w1_)) or gemm1_runs[-1])
     gen = torch.Generator(device="cuda").manual_seed(M)
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)
@@ -240,6 +244,8 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
     if persistent:
         assert launches, "the persistent gemm2 ran"
         assert all(pdl == (persistent == "pdl") for pdl in launches), "launched with PDL only when asked"
+    if persistent == "gemm1":
+        assert any(gemm1_runs), "the persistent gemm1 ran"
 
 
 @cuda
