@@ -502,8 +502,8 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
         # decoded tile the dot reads.
         esize = max(esize, 2)
     if quant in ("mxfp4", "mxfp4_mma"):
-        # NOTE: no persistent gemm1 either: in the MMA layout it took 2.1-2.9x the tiled launch's time on an H200
-        # (gpt-oss-20b M = 4096 4726.0 against 1945.0 us without tail tiles, gpt-oss-120b M = 1024 2313.4 against
+        # NOTE: no persistent gemm1 either: in the MMA layout it took 2.1-2.7x the time of the tiled launch without
+        # tail tiles on an H200 (gpt-oss-20b M = 4096 4726.0 against 1945.0 us, gpt-oss-120b M = 1024 2313.4 against
         # 1114.9; benchmarks/results/ab_persistent_gemm1_h200.txt, run 3). Statically (Triton 3.6, sm_90) its
         # flattened loop spills 372 / 208 B and serializes its wgmma, the tiled one 56 / 56 B, pipelined (``python
         # benchmarks/compile_report.py --device "NVIDIA H200" --model gpt-oss-20b --tokens 4096 --quant mxfp4_mma

@@ -264,7 +264,7 @@ def _persistent_gemm1_ok(cfg: GemmConfig, w1: WeightOperand) -> bool:
     """Whether the fused path's gemm1 runs persistent (one program per SM walking the used blocks' tiles,
     ``gemm1_sorted_kernel`` PERSISTENT): asked for, without tail tiles (``sanitize`` keeps it to 16-bit weights),
     with its weight tiles by TMA (``_weight_desc``: sm_90+, a TMA-capable layout); it then signals no tiles to gemm2.
-    NOTE: only with TMA weight tiles: the flattened loop of the MXFP4 MMA layout's pointer-loaded tiles took 2.1-2.9x
+    NOTE: only with TMA weight tiles: the flattened loop of the MXFP4 MMA layout's pointer-loaded tiles took 2.1-2.7x
     the tiled launch's time on an H200 (benchmarks/results/ab_persistent_gemm1_h200.txt, run 3), and pointer loads
     of 16-bit tiles in it were never measured."""
     return (cfg.persistent and cfg.tail_m == 0 and w1.dense and cfg.tma_weights and cfg.block_n <= 128
