@@ -564,6 +564,24 @@ def test_sanitize_clamps():
     assert cfg.gemm2.num_stages == 6
 
 
+def test_sanitize_fits_the_persistent_gemm1_output_tile():
+    """A persistent gemm1 holds its [block_m, block_n] output tile in shared memory too: its pipelined tiles stay
+    within SMEM_BUDGET (never more stages than the tiled gemm1) and, with the output tile, within
+    PERSISTENT_GEMM1_SMEM_BUDGET; the heuristic's persistent tile (128 x 256 x 64 bf16, 4 stages) is within both."""
+    def fitted(dtype, persistent):
+        tile = GemmConfig(128, 32, 8, 4, tma_weights=True, persistent=persistent)
+        return configs.sanitize(MoeConfig("sorted", 128, tile, tile), dtype, 1408, 2048, 6).gemm1
+
+    # fp32: 4 stages of 128 x (128 + 256) x 32 are 192 KB, 256 KB with the 64 KB output tile: 3 stages then.
+    stage, out_tile = (128 + 256) * 32 * 4, 128 * 128 * 4
+    assert fitted(torch.float32, False).num_stages == 4 and fitted(torch.float32, True).num_stages == 3
+    assert 3 * stage + out_tile <= configs.PERSISTENT_GEMM1_SMEM_BUDGET < 4 * stage + out_tile
+    h = configs.heuristic_config(2048, 64, 1408, 2048, 6, torch.bfloat16, True, True, 132)
+    assert h.gemm1.persistent and (h.block_m, h.gemm1.block_n, h.gemm1.block_k, h.gemm1.num_stages) == (128, 128, 64, 4)
+    assert configs.sanitize(h, torch.bfloat16, 1408, 2048, 6) == h
+    assert 4 * (128 + 256) * 64 * 2 + 128 * 128 * 2 <= configs.PERSISTENT_GEMM1_SMEM_BUDGET
+
+
 def test_sanitize_gemm2_row_tiles():
     """gemm2.tile_m: a power of two in [16, block_m / 2] or 0 (the block), super-grouped order (group_m >= 1),
     tails within the tile; 0 with the persistent gemm2, in gemm1, and for MXFP4."""
