@@ -44,13 +44,18 @@ def _grouped_tile(tile, tiles_m, tiles_n, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(c_ptr, acc, M, N, pm, pn, BM: tl.constexpr, BN: tl.constexpr):
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def _tile_product(a_desc, b_desc, c_ptr, M, N, K, pm, pn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     acc = tl.zeros([BM, BN], tl.float32)
     for kk in range(0, tl.cdiv(K, BK)):
         acc = tl.dot(a_desc.load([pm * BM, kk * BK]), b_desc.load([pn * BN, kk * BK]).T, acc)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_tile(c_ptr, acc, M, N, pm, pn, BM, BN)
 
 
 @triton.jit
@@ -70,9 +75,7 @@ def gemm_tiled(a_desc, b_desc, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexp
     acc = tl.zeros([BM, BN], tl.float32)
     for kk in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES, warp_specialize=WS):
         acc = tl.dot(a_desc.load([pm * BM, kk * BK]), b_desc.load([pn * BN, kk * BK]).T, acc)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_tile(c_ptr, acc, M, N, pm, pn, BM, BN)
 
 
 def graph_us(fn, reps: int = 20) -> float:

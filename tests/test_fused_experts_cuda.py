@@ -26,7 +26,7 @@ import torch
 import moe_extension.kernels.fused_experts as fe
 from moe_extension.ops import fused_experts_torch
 from tests.reference import fused_experts_reference, random_expert_map
-from tests.utils import assert_graph_replays_match_eager, rel_err
+from tests.utils import assert_graph_replays_match_eager, rel_err, record_results
 
 cuda = pytest.mark.cuda
 
@@ -222,10 +222,7 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
     (the product launches it without); "gemm1": the persistent gemm1 too."""
     launches = (_persistent_gemm2(monkeypatch, force_pdl=persistent == "pdl", gemm1=persistent == "gemm1")
                 if persistent else None)
-    gemm1_runs = []
-    gemm1_ok = fe._persistent_gemm1_ok
-    monkeypatch.setattr(fe, "_persistent_gemm1_ok",
-                        lambda cfg, w1_: gemm1_runs.append(gemm1_ok(cfg, w1_)) or gemm1_runs[-1])
+    gemm1_runs = record_results(monkeypatch, fe, "_persistent_gemm1_ok")
     gen = torch.Generator(device="cuda").manual_seed(M)
     E, topk, K, N = GRAPH_SHAPE["E"], GRAPH_SHAPE["topk"], GRAPH_SHAPE["K"], GRAPH_SHAPE["N"]
     w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)
@@ -257,9 +254,7 @@ def test_persistent_gemm1_matches_tiles(monkeypatch, act, gemm2_persistent):
     the tiled gemm2 launched with PDL (which must then wait for gemm1's completion, not for per-tile signals)."""
     if not fe.tma_capable(torch.device("cuda")):
         pytest.skip("the persistent kernels need sm_90+")
-    taken = []
-    ok = fe._persistent_gemm1_ok
-    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg, w1: taken.append(ok(cfg, w1)) or taken[-1])
+    taken = record_results(monkeypatch, fe, "_persistent_gemm1_ok")
     gen = torch.Generator(device="cuda").manual_seed(11)
     for M, E, topk, K, N in [(77, 8, 2, 1024, 704), (1000, 64, 6, 2048, 768), (4096, 16, 4, 1000, 333)]:
         w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)

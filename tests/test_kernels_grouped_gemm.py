@@ -30,7 +30,7 @@ from tests.reference import (
     random_routing,
     tolerance,
 )
-from tests.utils import DEVICES, INTERPRETED, poison
+from tests.utils import DEVICES, INTERPRETED, poison, record_results
 
 DEVICE = "cuda" if "cuda" in DEVICES else "cpu"
 pytestmark = [
@@ -358,9 +358,7 @@ def test_persistent_gemm1(monkeypatch, act, bias, emap, on_input, group_m, tma, 
     assert configs.sanitize(pers, dtype, N, K, topk) == pers
     assert configs.sanitize(dataclasses.replace(pers, gemm1=dataclasses.replace(pers.gemm1, tail_m=8)), dtype, N, K,
                             topk) == pers
-    taken = []
-    real = fe._persistent_gemm1_ok
-    monkeypatch.setattr(fe, "_persistent_gemm1_ok", lambda cfg, w1: taken.append(real(cfg, w1)) or taken[-1])
+    taken = record_results(monkeypatch, fe, "_persistent_gemm1_ok")
     ref = fused_experts_triton(x, w1, w2, g, ids, act, config=base, **kw)
     assert not any(taken)
     monkeypatch.setattr(fe, "torch", _PoisonedAllocations())

@@ -30,6 +30,7 @@ from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES
 from moe_extension.kernels._weight_formats import WeightOperand
 from moe_extension.ops import fused_experts_torch
 from tests.reference import assert_close, fused_experts_reference, tolerance
+from tests.utils import record_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import tune_fused_experts as tune  # noqa: E402
@@ -330,10 +331,7 @@ def test_sorted_cell_times_the_persistent_gemms(monkeypatch):
     # One tile per GEMM; gemm2's already loads its rows by TMA, so every variant of it qualifies.
     monkeypatch.setattr(tune, "block_m_candidates", lambda M, E, topk: [64])
     monkeypatch.setattr(tune, "gemm1_candidates", lambda block_m: [GemmConfig(64, 64, 4, 3, tma_weights=True)])
-    gemm1_runs = []
-    gemm1_ok = fe._persistent_gemm1_ok
-    monkeypatch.setattr(fe, "_persistent_gemm1_ok",
-                        lambda cfg, w1: gemm1_runs.append(gemm1_ok(cfg, w1)) or gemm1_runs[-1])
+    gemm1_runs = record_results(monkeypatch, fe, "_persistent_gemm1_ok")
     monkeypatch.setattr(tune, "gemm2_candidates",
                         lambda block_m, small: [GemmConfig(128, 64, 4, 3, tma_weights=True, tma_a=True)])
     launched = []

@@ -93,3 +93,16 @@ def entry_point_inputs(op: str, M: int, E: int, topk: int, K: int, N: int, routi
     if op == "expert_gemm2":
         return [torch.randn(M, topk, N, device="cuda", dtype=torch.bfloat16, generator=gen), g, ids]
     return [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen), g, ids]
+
+
+def record_results(monkeypatch, owner, name: str) -> list:
+    """Replace ``owner.name`` (a function) by one that calls it and appends each result to the returned list."""
+    real = getattr(owner, name)
+    results = []
+
+    def recorded(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(owner, name, recorded)
+    return results

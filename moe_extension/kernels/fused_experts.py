@@ -64,7 +64,7 @@ from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
-from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WFMT_MXFP4_MMA, WeightOperand
+from moe_extension.kernels._weight_formats import WFMT_FP8_BLOCK, WeightOperand
 from moe_extension.kernels.lora import (FusedExpand, add_lora_expand, add_lora_shrink_beside, expand_epilogue_args,
                                         lora_shrink_triton)
 
@@ -132,12 +132,17 @@ def _stride(t: torch.Tensor | None, dim: int) -> int:
     return t.stride(dim) if t is not None else 0
 
 
+def _tma_weights_ok(w: torch.Tensor, cfg: GemmConfig) -> bool:
+    """Whether cfg's weight tiles of w come by TMA: asked for (``tma_weights``), sm_90+ and a TMA-capable layout."""
+    return cfg.tma_weights and tma_capable(w.device) and tma_layout_ok(w, cfg.block_k)
+
+
 def _weight_desc(w: torch.Tensor, rows: int, cfg: GemmConfig, halves: int = 0) -> TensorDescriptor | None:
     """TMA descriptor of w [E, out, in] with block [1, rows, block_k] when cfg asks for it and the device
     (sm_90+) and layout (``_launch.tma_layout_ok``, rows within 256) allow it; None selects the pointer loads.
     ``halves`` (1 or 2): w [E, 2N, in] viewed as [E, 2, N, in], block [1, halves, rows, block_k]: with 2 the
     gate rows n.. stacked on the up rows N + n.. in one load, with 1 either of them."""
-    if not (cfg.tma_weights and tma_capable(w.device) and tma_layout_ok(w, cfg.block_k)) or rows > 256:
+    if not _tma_weights_ok(w, cfg) or rows > 256:
         return None
     if halves:
         E, two_n, K = w.shape
@@ -267,8 +272,7 @@ def _persistent_gemm1_ok(cfg: GemmConfig, w1: WeightOperand) -> bool:
     NOTE: only with TMA weight tiles: the flattened loop of the MXFP4 MMA layout's pointer-loaded tiles took 2.1-2.7x
     the tiled launch's time on an H200 (benchmarks/results/ab_persistent_gemm1_h200.txt, run 3), and pointer loads
     of 16-bit tiles in it were never measured."""
-    return (cfg.persistent and cfg.tail_m == 0 and w1.dense and cfg.tma_weights and cfg.block_n <= 128
-            and tma_capable(w1.w.device) and tma_layout_ok(w1.w, cfg.block_k))
+    return cfg.persistent and cfg.tail_m == 0 and w1.dense and cfg.block_n <= 128 and _tma_weights_ok(w1.w, cfg)
 
 
 def split_reduction(N: int, cfg: GemmConfig) -> tuple[int, int]:
