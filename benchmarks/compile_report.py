@@ -52,9 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", default="{}", help="JSON overrides of the config (as ab_fused_experts.py)")
     p.add_argument("--device", default="NVIDIA H100 80GB HBM3", help="whose tuned table picks the config")
     p.add_argument("--experts", type=int, default=8, help="experts held (default: %(default)s)")
+    p.add_argument("--shard", action="store_true",
+                   help="the experts held are an expert-parallel shard: an expert_map over the model's E, routing "
+                        "over all E (the config chosen as the op chooses it for a shard)")
     p.add_argument("--all-kernels", action="store_true", help="also the routing, quantization and slot-sum launches")
     p.add_argument("--dump", default=None, metavar="DIR",
-                   help="also write each kernel's PTX and SASS there (KERNEL.ptx, KERNEL.sass; a kernel launched "
+                   help="also write each kernel's Triton GPU IR, PTX and SASS there (KERNEL.ttgir, KERNEL.ptx, "
+                        "KERNEL.sass; a kernel launched "
                         "twice in the call: its last launch)")
     # The two child processes: the interpreter's records the launches, the other compiles them.
     p.add_argument("--record", default=None, help=argparse.SUPPRESS)
@@ -84,10 +88,17 @@ def record_launches(args) -> None:
     interpreter.InterpretedFunction.run = record
     fe.tma_capable = fe.pdl_capable = fe._ptx = lambda device: True  # as on sm_90
     _configs._device_facts = lambda device: (args.device, 132)
-    cfg = _configs.get_config(M, E, N, K, topk, torch.bfloat16, True, True, torch.device("cpu"), args.quant)
+    L = min(max(args.experts, topk), E)
+    emap = None
+    if args.shard:
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[:L] = torch.arange(L, dtype=torch.int32)
+        cfg = _configs.get_config(fe.local_tokens(M, L, emap, args.quant), L, N, K, topk, torch.bfloat16, True, True,
+                                  torch.device("cpu"), args.quant, fe.local_pairs(M, topk, L, emap))
+    else:
+        cfg = _configs.get_config(M, E, N, K, topk, torch.bfloat16, True, True, torch.device("cpu"), args.quant)
     cfg = apply(cfg, json.loads(args.variant))
     print(f"config: {cfg}", flush=True)
-    L = min(max(args.experts, topk), E)
     gen = torch.Generator().manual_seed(0)
     stacks = [torch.randn(L, r, c, generator=gen) / c**0.5 for r, c in ((2 * N, K), (K, N))]
     kw = {}
@@ -100,9 +111,9 @@ def record_launches(args) -> None:
     else:
         w1, w2 = (w.to(torch.bfloat16) for w in stacks)
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(L, generator=gen)[:topk] for _ in range(M)]).to(torch.int32)
+    ids = torch.stack([torch.randperm(E if args.shard else L, generator=gen)[:topk] for _ in range(M)]).to(torch.int32)
     weights = torch.rand(M, topk, generator=gen)
-    fe.fused_experts_triton(x, w1, w2, weights, ids, "swigluoai", config=cfg, **kw)
+    fe.fused_experts_triton(x, w1, w2, weights, ids, "swigluoai", config=cfg, expert_map=emap, **kw)
     torch.save(launches, args.record)
 
 
@@ -149,7 +160,7 @@ def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str, dump: str | No
 
 def compile_launches(record: str, all_kernels: bool, dump: str | None = None) -> list[dict]:
     """Each recorded launch compiled for sm_90 (this process: no interpreter) -> its facts; ``dump``: a folder
-    for each kernel's PTX and SASS."""
+    for each kernel's Triton GPU IR, PTX and SASS."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -167,6 +178,8 @@ def compile_launches(record: str, all_kernels: bool, dump: str | None = None) ->
             compiled = kernel.warmup(*args, grid=(1,), **kwargs)
             facts = sass_facts(ptxas, cuobjdump, compiled.asm["ptx"], folder,
                                os.path.join(dump, name) if dump else None)
+            if dump:
+                Path(os.path.join(dump, name + ".ttgir")).write_text(compiled.asm["ttgir"])
             rows.append(dict(kernel=name, num_warps=compiled.metadata.num_warps,
                              num_stages=compiled.metadata.num_stages, shared=compiled.metadata.shared,
                              **{k: v for k, v in kwargs.items() if k.isupper() and isinstance(v, (int, bool))},
