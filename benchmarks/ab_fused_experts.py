@@ -16,8 +16,6 @@ dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launche
 launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
-``--all-pair-groups`` adds it with the direct tensor-core GEMVs' grids over every pair (``fused_experts.pair_groups``
-wrapped: one pair group per pair, whose programs of other ranks' pairs exit) instead of the pairs expected here.
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
 bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
@@ -64,8 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
-    p.add_argument("--all-pair-groups", action="store_true",
-                   help="also the table config with the direct tensor-core GEMVs' grids over every pair")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
                    help="what to time (default: the whole op)")
     p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
@@ -73,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local-experts", type=int, default=None, metavar="L",
                    help="only the first L of the model's E experts here, through an expert_map")
     args = p.parse_args(argv)
-    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.all_pair_groups):
-        p.error("--no-pdl, --persistent-pdl, --direct-pdl and --all-pair-groups time fused_experts only")
+    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl):
+        p.error("--no-pdl, --persistent-pdl and --direct-pdl time fused_experts only")
     if args.local_experts is not None and args.local_experts < 1:
         p.error("--local-experts takes a positive count")
     return args
@@ -201,18 +197,6 @@ def main(argv=None) -> int:
                 fe._gemv1, fe._gemv2 = launch_gemvs
 
         runs["table, direct GEMVs PDL"] = direct_pdl
-    if args.all_pair_groups:
-        groups_of = fe.pair_groups
-
-        def all_pair_groups(i):
-            # one pair group per pair (captured with the call, as above)
-            fe.pair_groups = lambda M, topk, E, expert_map: M * topk
-            try:
-                return call(table, i)
-            finally:
-                fe.pair_groups = groups_of
-
-        runs["table, a group per pair"] = all_pair_groups
     if (tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts" and args.quant == "none"
             and args.local_experts is None):
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
@@ -226,7 +210,7 @@ def main(argv=None) -> int:
         same = torch.equal(runs[name](0), ref)
         print(f"  {name:14s} {c.path} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}")
-    for name in ("table, no PDL", "table, persistent gemm2 PDL", "table, direct GEMVs PDL", "table, a group per pair"):
+    for name in ("table, no PDL", "table, persistent gemm2 PDL", "table, direct GEMVs PDL"):
         if name in runs:
             print(f"  {name}  bitwise equal to table: {torch.equal(runs[name](0), ref)}")
     times = {name: [] for name in runs}

@@ -25,7 +25,7 @@ def _has_ptxas() -> bool:
 def test_report_of_the_mxfp4_sorted_kernels(tmp_path):
     """gpt-oss-20b with MXFP4 weights in the MMA layout at M = 16 (the sorted schedule): both GEMMs compiled for
     sm_90 with their tensor-core loops (wgmma) and a register count; the config line printed first; ``--dump``
-    wrote each kernel's PTX and its SASS with the wgmma instructions the report counted."""
+    wrote each kernel's Triton GPU IR, its PTX and its SASS with the wgmma instructions the report counted."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--model", "gpt-oss-20b",
                           "--quant", "mxfp4_mma", "--tokens", "16", "--dump", str(tmp_path)], capture_output=True,
                          text=True, timeout=1200)
@@ -38,7 +38,22 @@ def test_report_of_the_mxfp4_sorted_kernels(tmp_path):
         wgmma = int(row.split("wgmma ")[1].split()[0])
         assert 0 < registers <= 255 and wgmma > 0, row
         assert ".entry " + kernel in (tmp_path / f"{kernel}.ptx").read_text()
+        assert f"tt.func public @{kernel}" in (tmp_path / f"{kernel}.ttgir").read_text()
         assert (tmp_path / f"{kernel}.sass").read_text().count("GMMA.") == wgmma
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas for sm_90")
+def test_report_of_an_expert_parallel_shard():
+    """``--shard``: DeepSeek-V3's 32 of 256 experts in fp8 block at M = 1 get the config the op picks for a shard (the
+    direct GEMVs with their reductions split for the one pair expected here: gemv1 in 16), and both GEMVs compile."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--model", "deepseek-v3",
+                          "--quant", "fp8_block", "--tokens", "1", "--experts", "32", "--shard"], capture_output=True,
+                         text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr
+    config = next(line for line in out.stdout.splitlines() if line.startswith("config: "))
+    assert "path='direct'" in config and "split_k=16" in config, config
+    for kernel in ("gemv1_dot_kernel", "gemv2_dot_kernel"):
+        assert any(line.strip().startswith(kernel) for line in out.stdout.splitlines()), out.stdout
 
 
 def test_sass_facts_reads_ptxas_and_the_waits(tmp_path, monkeypatch):

@@ -338,43 +338,6 @@ def test_direct_slot_sum_over_the_valid_slots(poisoned, name):  # noqa: F811  (t
 
 
 @interpreted
-def test_direct_pair_groups_take_every_valid_pair(poisoned, monkeypatch):  # noqa: F811  (the fixture)
-    """The direct GEMVs' grids hold pair groups, not pairs (``fe.pair_groups``): with 1 or 3 groups (fewer than the
-    valid pairs: each group's programs take several, one after the other) and 16 (more groups than valid pairs:
-    groups without a pair), the fused call and the unfused GEMMs give the same outputs bitwise, within TOLS of
-    the PyTorch implementation. An expert-parallel shard's routing (6 of 40 experts held here): 70 pairs, more than
-    one ``PAIR_CHUNK`` step of the walk over the ids, a few of them valid, tokens without a valid slot; split
-    reductions; NaN-poisoned workspaces and outputs."""
-    E, K, N, topk, M = 6, 200, 256, 5, 14
-    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=17)
-    torch.manual_seed(19)
-    emap = torch.full((40,), -1, dtype=torch.int32)
-    emap[torch.randperm(40)[:E]] = torch.arange(E, dtype=torch.int32)
-    ids = torch.stack([torch.randperm(40)[:topk] for _ in range(M)]).to(torch.int32)
-    ids[3, 1] = -1
-    valid = valid_slots(ids, emap, E)
-    g = torch.rand(M, topk).masked_fill(~valid, float("nan"))
-    assert M * topk > 64 and (valid.sum(dim=1) == 0).sum() >= 2 and 3 < valid.sum() < 16, valid.sum(dim=1)
-    x = torch.randn(M, K)
-    cfg = checked_config("direct_split", x.dtype, N, K, topk)
-    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, quant="fp8_block", w1_scale=s1, w2_scale=s2)
-    ref = fused_experts_torch(x, w1, w2, g, ids, "silu", **kw)
-    a = torch.randn(M, topk, N)
-    outs = []
-    for groups in (1, 3, 16):
-        monkeypatch.setattr(fe, "pair_groups", lambda *args, groups=groups: groups)
-        out = fused_experts_triton(x, w1, w2, g, ids, "silu", config=cfg, **kw)
-        h = expert_gemm1_triton(x, w1, ids, w1_bias=b1, expert_map=emap, quant="fp8_block", w1_scale=s1, config=cfg)
-        y = expert_gemm2_triton(a, w2, ids, w2_bias=b2, expert_map=emap, topk_weights=torch.nan_to_num(g),
-                                quant="fp8_block", w2_scale=s2, config=cfg)
-        assert rel_err(out, ref) <= TOLS[x.dtype] and (out[~valid.any(dim=1)] == 0).all()
-        assert (h[~valid] == 0).all() and (y[~valid] == 0).all() and h[valid].isfinite().all()
-        outs.append((out, h, y))
-    for out, h, y in outs[1:]:
-        assert torch.equal(out, outs[0][0]) and torch.equal(h, outs[0][1]) and torch.equal(y, outs[0][2])
-
-
-@interpreted
 @pytest.mark.parametrize("name", ["sorted_split", "direct_split"])
 @pytest.mark.parametrize("K,N", [(200, 0), (0, 160)])
 def test_empty_hidden_or_intermediate(name, K, N):

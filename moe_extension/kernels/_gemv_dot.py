@@ -8,22 +8,25 @@ by one activation row over one split of the reduction: ``dot_step_t`` with the t
 the row as column 0 of its 16 (the other columns are zeros), so the weights are decoded (MXFP4) or the row quantized
 (fp8 block, per 128 columns) exactly as in the sorted kernels.
 
-Grids (cdiv(N_OUT, BLOCK_N), G, SPLIT): tile, pair group, split of the reduction. The valid pairs, numbered in
-pair order, fall into G groups (the rank modulo G), and a program takes its group's pairs one after the other
-(``PAIR_CHUNK`` ids per step of its walk over the pairs): the launcher sizes G by the pairs expected on these experts
-(an expert-parallel shard holds few of a token's slots), so that the grid holds programs with work, not programs of
-other ranks' pairs that exit.
+- ``gemv1_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): x[t] times the rows of gemm1's output tile (2 BLOCK_N
+  rows with a gated activation, stacked as in ``_grouped_gemm._gemm1_block``) -> ``a[p, tile]`` with gemm1's
+  epilogue (router weight or not, bias, activation). Programs of invalid pairs exit (their rows untouched).
+- ``gemv2_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): W2[e] rows times a[t, j] -> ``out[t, tile]`` summed
+  over the token's slots in slot order (SUM_SLOTS; a token without valid slots gets 0), or ``out[t, j, tile]`` per
+  pair (rows of invalid pairs untouched), with bias and router weight as gemm2. Programs of invalid pairs exit; with
+  SUM_SLOTS those of split 0, slot 0 of a token without valid slots store its zeros.
 
-- ``gemv1_dot_kernel``: x[t] times the rows of gemm1's output tile (2 BLOCK_N rows with a gated activation,
-  stacked as in ``_grouped_gemm._gemm1_block``) -> ``a[p, tile]`` with gemm1's epilogue (router weight or not,
-  bias, activation). Rows of invalid pairs are untouched.
-- ``gemv2_dot_kernel``: W2[e] rows times a[t, j] -> ``out[t, tile]`` summed over the token's valid slots in slot
-  order (SUM_SLOTS; the programs of group 0, split 0 store the zeros of tokens without valid slots), or
-  ``out[t, j, tile]`` per pair (rows of invalid pairs untouched), with bias and router weight as gemm2.
+NOTE: the grids cover every pair, also on an expert-parallel shard where few are valid. Grids of pair groups sized by
+the pairs expected here, whose programs took their group's valid pairs one after the other, were never faster on the
+H200 and slower where a program took several (DeepSeek-V3 fp8 block, 32 of 256 experts: M = 1 16.3 against 16.1 us,
+M = 8 94.9 against 90.2; Qwen3-30B-A3B, 16 of 128: M = 1 10.3 against 8.4): the exiting programs cost little, and the
+loop over pairs held 133-254 registers against 40-94 (benchmarks/results/ab_pair_groups_h200.txt: ``python
+benchmarks/ab_fused_experts.py --quant fp8_block --activation silu --model deepseek-v3 --tokens 1 --local-experts 32
+--all-pair-groups`` at 22e42fd).
 
 Split reduction: with SPLIT > 1 (gemv2: or more than one valid slot per output tile), each program stores its fp32
-partial sum of a pair in ``part``, then increments its output tile's counter in ``cnt`` (int32, zeroed by the
-caller; release: its stores come first); the program that brings the counter to the number of programs of the tile (acquire: SPLIT
+partial sum in ``part``, then increments its output tile's counter in ``cnt`` (int32, zeroed by the caller; release:
+its stores come first); the program that brings the counter to the number of programs of the tile (acquire: SPLIT
 times the valid slots) reads the partials back in split (and slot) order and runs the epilogue. Whichever program
 counts last, the sums are the same: bitwise reproducible, no float atomics, no host sync, every size from shapes.
 
@@ -43,11 +46,6 @@ from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
 from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quantize_fp8_groups, scale_rows,
                                                    weight_advance, weight_ptrs)
-
-# Pairs whose ids a program reads per step of its walk over the pairs (one masked vector load), and the tokens per
-# step of gemv2's zeros for tokens without valid slots.
-PAIR_CHUNK = tl.constexpr(64)
-ZERO_TOKENS = tl.constexpr(16)
 
 
 @triton.jit
@@ -97,24 +95,31 @@ def _arrive(cnt_ptr, expected):
     return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == expected - 1
 
 
-@triton.jit
-def _nth_set(mask, i, pairs, experts):
-    """(pair, expert) of the i-th (from 0) set lane of ``mask``."""
-    sel = mask & (tl.cumsum(mask.to(tl.int32), axis=0) == i + 1)
-    return tl.sum(tl.where(sel, pairs, 0), axis=0), tl.sum(tl.where(sel, experts, 0), axis=0)
-
-
-@triton.jit
-def _gemv1_pair(p, expert, pid_n, s, x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr, cnt_ptr,
-                gw_ptr, P, topk, N_OUT, N_HALF, K, k_per_split, has_bias, router_on_input, stride_xm, stride_xk,
-                stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn, stride_om,
-                stride_on, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit, u_ptr, stride_up, lb_ptr,
-                stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R, ACT: tl.constexpr,
-                EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr,
-                LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr):
-    """Split ``s`` of output tile ``pid_n`` of valid pair ``p`` (local expert ``expert``), and the tile's epilogue
-    if this program completes it (``gemv1_dot_kernel``)."""
+@triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
+                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
+def gemv1_dot_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
+    P, topk, N_OUT, N_HALF, K, k_per_split, has_map, has_bias, router_on_input,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
+    stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit,
+    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr,
+):
+    """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
+    [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
+    active pairs (``_lora.lora_rows_delta``), before the one rounding. fp8 block: A_Q, ``x`` holds e4m3 rows and
+    ``xs_ptr`` their scales per 128 columns (row stride ``stride_xsm``); Q_OUT (BLOCK_N a multiple of 128), the
+    output is stored quantized for gemm2 (e4m3 values in ``out``, scales per 128 columns in ``os_ptr``, row stride
+    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result."""
+    tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
+    pid_n = tl.program_id(0)
+    p = tl.program_id(1)
+    s = tl.program_id(2)
+    expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    if not valid:
+        return
     t = p // topk
     n0 = pid_n * BLOCK_N
     W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
@@ -128,150 +133,32 @@ def _gemv1_pair(p, expert, pid_n, s, x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out
                         expert.to(tl.int64), wr.to(tl.int64), g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT,
                         PTX, DOT_PREC, G_ON_A, A_Q)
-    last = tl.full([], 1, tl.int1)
     if SPLIT > 1:
         tiles = tl.num_programs(0)
         tile = p * tiles + pid_n
         c = tl.arange(0, W_ROWS)
         tl.store(part_ptr + (s * P * tiles + tile).to(tl.int64) * W_ROWS + c, h)
-        last = _arrive(cnt_ptr + tile, SPLIT)
-        if last:
-            h = tl.zeros([W_ROWS], dtype=tl.float32)
-            for ss in range(SPLIT):
-                h += tl.load(part_ptr + (ss * P * tiles + tile).to(tl.int64) * W_ROWS + c, cache_modifier=".cg")
-    if last:
-        result = gemm1_epilogue(h[None, :], g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn,
-                                alpha, limit, ACT, G_ON_A)
-        result = tl.reshape(result, (BLOCK_N,))
-        if LORA:
-            delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                                            lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
-            result = tl.where(active, result + g * delta, result)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        if Q_OUT:
-            # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax.
-            result, q_s = quantize_fp8_groups(tl.where(offs_n < N_OUT, result, 0.0), PTX,
-                                              ws_ptr.dtype.element_ty == tl.uint8)
-            offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
-            tl.store(os_ptr + p.to(tl.int64) * stride_osm + offs_g, q_s, mask=offs_g < tl.cdiv(N_OUT, 128))
-        tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),
-                 mask=offs_n < N_OUT)
-
-
-@triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
-                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
-def gemv1_dot_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
-    P, topk, N_OUT, N_HALF, K, k_per_split, has_map, has_bias, router_on_input,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
-    stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit,
-    u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
-    ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr, PAIR_LOOP: tl.constexpr,
-):
-    """out[p, n0:n0+BLOCK_N] of gemm1 for the valid pairs of this program's pair group (module docstring); ``part``
-    [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt`` [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA
-    (ACT 0 only): plus ``g B[l, e] u[p]`` on the active pairs (``_lora.lora_rows_delta``), before the one rounding.
-    fp8 block: A_Q, ``x`` holds e4m3 rows and ``xs_ptr`` their scales per 128 columns (row stride ``stride_xsm``);
-    Q_OUT (BLOCK_N a multiple of 128), the output is stored quantized for gemm2 (e4m3 values in ``out``, scales per
-    128 columns in ``os_ptr``, row stride ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32
-    result."""
-    tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
-    pid_n = tl.program_id(0)
-    s = tl.program_id(2)
-    if PAIR_LOOP:
-        group = tl.program_id(1)
-        groups = tl.num_programs(1)
-        seen = tl.zeros([], dtype=tl.int32)
-        for c0 in range(0, P, PAIR_CHUNK):
-            pairs = c0 + tl.arange(0, PAIR_CHUNK)
-            experts, ok = local_expert(ids_ptr, pairs, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-            mine = ok & ((seen + tl.cumsum(ok.to(tl.int32), axis=0) - 1) % groups == group)
-            for i in range(tl.sum(mine.to(tl.int32), axis=0)):
-                p, expert = _nth_set(mine, i, pairs, experts)
-                _gemv1_pair(p, expert, pid_n, s, x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr,
-                            cnt_ptr, gw_ptr, P, topk, N_OUT, N_HALF, K, k_per_split, has_bias, router_on_input,
-                            stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                            stride_be, stride_bn, stride_om, stride_on, stride_gm, stride_gk, stride_xsm, stride_osm,
-                            alpha, limit, u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                            lm_ptr, stride_lm, L, R, ACT, EVEN_K, SPLIT, BLOCK_N, BLOCK_K, DOT_PREC, WFMT, PTX, G_ON_A,
-                            LORA, BLOCK_R, A_Q, Q_OUT, PDL)
-            seen += tl.sum(ok.to(tl.int32), axis=0)
-    else:
-        p = tl.program_id(1)
-        expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-        if not valid:
+        if not _arrive(cnt_ptr + tile, SPLIT):
             return
-        _gemv1_pair(p, expert, pid_n, s, x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr,
-                    cnt_ptr, gw_ptr, P, topk, N_OUT, N_HALF, K, k_per_split, has_bias, router_on_input, stride_xm,
-                    stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
-                    stride_om, stride_on, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit, u_ptr, stride_up,
-                    lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R, ACT, EVEN_K, SPLIT,
-                    BLOCK_N, BLOCK_K, DOT_PREC, WFMT, PTX, G_ON_A, LORA, BLOCK_R, A_Q, Q_OUT, PDL)
-
-
-@triton.jit
-def _gemv2_pair(p, expert, pid_n, s, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, gw_ptr,
-                ids_ptr, map_ptr, E_global, E, P, topk, nslot, N_OUT, K, k_per_split, has_map, has_bias,
-                apply_weight, stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-                stride_sk, stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik, stride_gm,
-                stride_gk, stride_asp, u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                lm_ptr, stride_lm, L, R, SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr,
-                SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-                WFMT: tl.constexpr, PTX: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                A_Q: tl.constexpr, PDL: tl.constexpr):
-    """Split ``s`` of output tile ``pid_n`` of valid pair ``p`` (local expert ``expert``), and the tile's epilogue
-    (the sum over the token's valid slots with SUM_SLOTS) if this program completes it (``gemv2_dot_kernel``)."""
-    t = p // topk
-    j = p - t * topk
-    if SUM_SLOTS:
-        first, slot0, group = t * topk, 0, t
-    else:
-        first, slot0, group = p, j, p
-    jj = tl.arange(0, SLOTS)
-    e_vec, ok_vec = local_expert(ids_ptr, first + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
-                                 E_global, E, topk, has_map)
-    if SUM_SLOTS:
-        arrivals = tl.sum(ok_vec.to(tl.int32), axis=0) * SPLIT
-    else:
-        arrivals = tl.full([], SPLIT, tl.int32)
-    tiles = tl.num_programs(0)
-    n0 = pid_n * BLOCK_N
-    c = tl.arange(0, BLOCK_N)
-    wr = (n0 + c) % N_OUT
-    grid_dependency(PDL)
-    k0 = s * k_per_split
-    h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, as_ptr + p.to(tl.int64) * stride_asp,
-                        w_ptr, ws_ptr, expert.to(tl.int64), wr.to(tl.int64), 1.0, k0,
-                        tl.minimum(K, k0 + k_per_split), stride_ak, stride_we, stride_wn, stride_wk, stride_se,
-                        stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC, False, A_Q)
-    last = arrivals == 1
-    if arrivals > 1:
-        tl.store(part_ptr + (s * P * tiles + p * tiles + pid_n).to(tl.int64) * BLOCK_N + c, h)
-        last = _arrive(cnt_ptr + group * tiles + pid_n, arrivals)
-    if last:
-        if arrivals > 1:
-            acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
-            for ss in range(SPLIT):
-                acc += tl.load(part_ptr + (ss * P * tiles + (first + jj) * tiles + pid_n).to(tl.int64)[:, None]
-                               * BLOCK_N + c[None, :], mask=ok_vec[:, None], other=0.0, cache_modifier=".cg")
-        else:
-            acc = tl.where(ok_vec[:, None], tl.broadcast_to(h[None, :], (SLOTS, BLOCK_N)), 0.0)
-        e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
-        b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))
-        acc += tl.load(bias_ptr + e64[:, None] * stride_be + wr[None, :] * stride_bn, mask=b_ok,
-                       other=0.0).to(tl.float32)
-        g_vec = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (slot0 + jj) * stride_gk,
-                        mask=ok_vec & (jj < tl.where(apply_weight != 0, nslot, 0)), other=1.0).to(tl.float32)
-        out = tl.sum(acc * tl.where(ok_vec, g_vec, 0.0)[:, None], axis=0)
-        if LORA:
-            delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                                            lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
-            out = tl.where(active, out + tl.sum(g_vec, axis=0) * delta, out)
-        offs_n = n0 + c
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on,
-                 out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)
+        h = tl.zeros([W_ROWS], dtype=tl.float32)
+        for ss in range(SPLIT):
+            h += tl.load(part_ptr + (ss * P * tiles + tile).to(tl.int64) * W_ROWS + c, cache_modifier=".cg")
+    result = gemm1_epilogue(h[None, :], g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha,
+                            limit, ACT, G_ON_A)
+    result = tl.reshape(result, (BLOCK_N,))
+    if LORA:
+        delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+                                        lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
+        result = tl.where(active, result + g * delta, result)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if Q_OUT:
+        # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax.
+        result, q_s = quantize_fp8_groups(tl.where(offs_n < N_OUT, result, 0.0), PTX,
+                                          ws_ptr.dtype.element_ty == tl.uint8)
+        offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
+        tl.store(os_ptr + p.to(tl.int64) * stride_osm + offs_g, q_s, mask=offs_g < tl.cdiv(N_OUT, 128))
+    tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),
+             mask=offs_n < N_OUT)
 
 
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "nslot", "has_map", "has_bias", "apply_weight",
@@ -284,70 +171,71 @@ def gemv2_dot_kernel(
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-    LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr, PDL: tl.constexpr, PAIR_LOOP: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out of gemm2 for the valid pairs of this program's pair group (module docstring): nslot = topk (SUM_SLOTS)
-    or 1, SLOTS >= nslot a power of two; ``part`` [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when
-    nslot * SPLIT > 1. LORA (per pair only): plus ``g B[l, e] u[p]`` on the active pairs, as in
-    ``gemv1_dot_kernel``. A_Q (fp8 block): ``a`` holds e4m3 values, ``as_ptr`` their scales per pair and 128
-    columns (pair stride ``stride_asp``)."""
+    """out of gemm2 (module docstring): nslot = topk (SUM_SLOTS) or 1, SLOTS >= nslot a power of two; ``part``
+    [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1. LORA (per pair only):
+    plus ``g B[l, e] u[p]`` on the active pairs, as in ``gemv1_dot_kernel``. A_Q (fp8 block): ``a`` holds e4m3
+    values, ``as_ptr`` their scales per pair and 128 columns (pair stride ``stride_asp``)."""
     tl.static_assert(not LORA or not SUM_SLOTS, "the LoRA expand is fused per pair only")
     pid_n = tl.program_id(0)
+    p = tl.program_id(1)
     s = tl.program_id(2)
-    if PAIR_LOOP:
-        group = tl.program_id(1)
-        groups = tl.num_programs(1)
-        if SUM_SLOTS:
-            if (group == 0) & (s == 0):
-                # A token without valid slots gets its zeros here (no pair of it comes below).
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                jj = tl.arange(0, SLOTS)
-                grid_dependency(PDL)
-                for t0 in range(0, P // topk, ZERO_TOKENS):
-                    tt = t0 + tl.arange(0, ZERO_TOKENS)
-                    in_range = (tt < P // topk)[:, None] & (jj < nslot)[None, :]
-                    _, ok = local_expert(ids_ptr, tt[:, None] * topk + jj[None, :], tl.where(in_range, P, 0),
-                                         stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-                    empty = (tl.sum(ok.to(tl.int32), axis=1) == 0) & (tt < P // topk)
-                    tl.store(out_ptr + tt.to(tl.int64)[:, None] * stride_ot + offs_n[None, :] * stride_on,
-                             tl.zeros([ZERO_TOKENS, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                             mask=empty[:, None] & (offs_n < N_OUT)[None, :])
-        seen = tl.zeros([], dtype=tl.int32)
-        for c0 in range(0, P, PAIR_CHUNK):
-            pairs = c0 + tl.arange(0, PAIR_CHUNK)
-            experts, ok = local_expert(ids_ptr, pairs, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-            mine = ok & ((seen + tl.cumsum(ok.to(tl.int32), axis=0) - 1) % groups == group)
-            for i in range(tl.sum(mine.to(tl.int32), axis=0)):
-                p, expert = _nth_set(mine, i, pairs, experts)
-                _gemv2_pair(p, expert, pid_n, s, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-                            gw_ptr, ids_ptr, map_ptr, E_global, E, P, topk, nslot, N_OUT, K, k_per_split, has_map,
-                            has_bias, apply_weight, stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk,
-                            stride_se, stride_sn, stride_sk, stride_be, stride_bn, stride_ot, stride_oj, stride_on,
-                            stride_im, stride_ik, stride_gm, stride_gk, stride_asp, u_ptr, stride_up, lb_ptr,
-                            stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R, SUM_SLOTS, SLOTS,
-                            EVEN_K, SPLIT, BLOCK_N, BLOCK_K, DOT_PREC, WFMT, PTX, LORA, BLOCK_R, A_Q, PDL)
-            seen += tl.sum(ok.to(tl.int32), axis=0)
+    t = p // topk
+    j = p - t * topk
+    expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    if SUM_SLOTS:
+        first, slot0, group = t * topk, 0, t
     else:
-        p = tl.program_id(1)
-        expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-        if not valid:
-            if SUM_SLOTS:
-                # The token's zeros if it has no valid slot: from the program of its slot 0, split 0.
-                t = p // topk
-                if (p == t * topk) & (s == 0):
-                    jj = tl.arange(0, SLOTS)
-                    _, ok = local_expert(ids_ptr, p + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
-                                         E_global, E, topk, has_map)
-                    if tl.sum(ok.to(tl.int32), axis=0) == 0:
-                        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                        grid_dependency(PDL)
-                        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n * stride_on,
-                                 tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=offs_n < N_OUT)
+        first, slot0, group = p, j, p
+    jj = tl.arange(0, SLOTS)
+    e_vec, ok_vec = local_expert(ids_ptr, first + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
+                                 E_global, E, topk, has_map)
+    if SUM_SLOTS:
+        # Only the token's valid slots take part (an expert-parallel shard's token has few): the programs of the
+        # others exit, and a token without any gets its zeros from the programs of slot 0, split 0.
+        valid_slots = tl.sum(ok_vec.to(tl.int32), axis=0)
+        if (valid == 0) & ((valid_slots > 0) | (j > 0) | (s > 0)):
             return
-        _gemv2_pair(p, expert, pid_n, s, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-                    gw_ptr, ids_ptr, map_ptr, E_global, E, P, topk, nslot, N_OUT, K, k_per_split, has_map, has_bias,
-                    apply_weight, stride_at, stride_aj, stride_ak, stride_we, stride_wn, stride_wk, stride_se,
-                    stride_sn, stride_sk, stride_be, stride_bn, stride_ot, stride_oj, stride_on, stride_im, stride_ik,
-                    stride_gm, stride_gk, stride_asp, u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn,
-                    stride_lbr, lm_ptr, stride_lm, L, R, SUM_SLOTS, SLOTS, EVEN_K, SPLIT, BLOCK_N, BLOCK_K, DOT_PREC,
-                    WFMT, PTX, LORA, BLOCK_R, A_Q, PDL)
+        arrivals = valid_slots * SPLIT
+    else:
+        if not valid:
+            return
+        arrivals = SPLIT
+    tiles = tl.num_programs(0)
+    n0 = pid_n * BLOCK_N
+    c = tl.arange(0, BLOCK_N)
+    wr = (n0 + c) % N_OUT
+    h = tl.zeros([BLOCK_N], dtype=tl.float32)
+    grid_dependency(PDL)
+    if valid:
+        k0 = s * k_per_split
+        h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, as_ptr + p.to(tl.int64) * stride_asp,
+                            w_ptr, ws_ptr, expert.to(tl.int64), wr.to(tl.int64), 1.0, k0,
+                            tl.minimum(K, k0 + k_per_split), stride_ak, stride_we, stride_wn, stride_wk, stride_se,
+                            stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC, False, A_Q)
+        if arrivals > 1:
+            tl.store(part_ptr + (s * P * tiles + p * tiles + pid_n).to(tl.int64) * BLOCK_N + c, h)
+    if arrivals > 1:
+        if not _arrive(cnt_ptr + group * tiles + pid_n, arrivals):
+            return
+    if arrivals > 1:
+        acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
+        for ss in range(SPLIT):
+            acc += tl.load(part_ptr + (ss * P * tiles + (first + jj) * tiles + pid_n).to(tl.int64)[:, None] * BLOCK_N
+                           + c[None, :], mask=ok_vec[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        acc = tl.where(ok_vec[:, None], tl.broadcast_to(h[None, :], (SLOTS, BLOCK_N)), 0.0)
+    e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
+    b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))
+    acc += tl.load(bias_ptr + e64[:, None] * stride_be + wr[None, :] * stride_bn, mask=b_ok, other=0.0).to(tl.float32)
+    g_vec = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (slot0 + jj) * stride_gk,
+                    mask=ok_vec & (jj < tl.where(apply_weight != 0, nslot, 0)), other=1.0).to(tl.float32)
+    out = tl.sum(acc * tl.where(ok_vec, g_vec, 0.0)[:, None], axis=0)
+    if LORA:
+        delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
+                                        lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
+        out = tl.where(active, out + tl.sum(g_vec, axis=0) * delta, out)
+    offs_n = n0 + c
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on,
+             out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)

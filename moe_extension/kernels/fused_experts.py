@@ -128,15 +128,6 @@ def local_pairs(M: int, topk: int, E: int, expert_map: torch.Tensor | None) -> i
     return max(1, round(M * topk * E / expert_map.numel()))
 
 
-def pair_groups(M: int, topk: int, E: int, expert_map: torch.Tensor | None) -> int:
-    """The pair groups of the direct tensor-core GEMVs' grids (``_gemv_dot``): one per pair expected on these
-    experts (``local_pairs``; all M * topk without an expert-parallel map), at least 1. A shard's few local pairs
-    get programs of their own instead of a grid over every pair whose programs of other ranks' pairs exit; more
-    valid pairs than groups run one after the other in a group's programs."""
-    lp = local_pairs(M, topk, E, expert_map)
-    return max(1, M * topk if lp is None else min(lp, M * topk))
-
-
 def _stride(t: torch.Tensor | None, dim: int) -> int:
     return t.stride(dim) if t is not None else 0
 
@@ -428,8 +419,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
                            device=x.device)
         cnt = counters if counters is not None else _zeroed_counters(_gemv1_dot_counters(M * topk, n_out, K, cfg),
                                                                      x.device)
-        groups = pair_groups(M, topk, E, expert_map)
-        gemv1_dot_kernel[(tiles, groups, splits)](
+        gemv1_dot_kernel[(tiles, M * topk, splits)](
             x, x_scale if x_scale is not None else x, w1.w, w1.scale, bias if bias is not None else out, out,
             out_scale if out_scale is not None else out, part, cnt, weights if weights is not None else out,
             topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
@@ -440,8 +430,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             float(limit), *lora_args,
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
-            G_ON_A=weights is not None, A_Q=x_scale is not None, Q_OUT=out_scale is not None,
-            PAIR_LOOP=groups < M * topk, **lora_flags,
+            G_ON_A=weights is not None, A_Q=x_scale is not None, Q_OUT=out_scale is not None, **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
@@ -486,8 +475,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
                            device=a.device)
         cnt = counters if counters is not None else _zeroed_counters(
             _gemv2_dot_counters(M, topk, K, N, cfg, sum_slots), a.device)
-        groups = pair_groups(M, topk, E, expert_map)
-        gemv2_dot_kernel[(tiles, groups, splits)](
+        gemv2_dot_kernel[(tiles, M * topk, splits)](
             a, a_scale if a_scale is not None else a, w2.w, w2.scale, bias if bias is not None else out, out, part, cnt,
             weights if weights is not None else out, topk_ids, expert_map if has_map else topk_ids,
             expert_map.numel() if has_map else E, E, M * topk, topk, nslot, K, N, per_split, int(has_map),
@@ -496,7 +484,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
             topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), _stride(a_scale, 0), *lora_args,
             SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
-            A_Q=a_scale is not None, PAIR_LOOP=groups < M * topk, **lora_flags,
+            A_Q=a_scale is not None, **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
