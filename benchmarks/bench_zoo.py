@@ -12,8 +12,8 @@ CUDA-graph replay (median per call; each replay runs ~25 ms of calls, 5 replays:
 - ``ours_heuristic``: ``fused_experts_triton`` with the heuristic's config forced (what a shape without a table
   entry gets); timed only where it differs from the config ``ours`` runs (else the same number);
 - ``vllm``: vLLM's Triton ``fused_moe_kernel`` through ``vllm_peer.VllmFusedMoE`` (``get_peers.sh vllm``):
-  vLLM's shipped H100 config for the (E, N) where one exists (``vllm_config`` in the row), else vLLM's default
-  config; its routing alignment, both GEMMs, the activation and the slot sum;
+  vLLM's shipped config for the GPU and the (E, N) where one exists (``vllm_config`` in the row), else vLLM's
+  default config; its routing alignment, both GEMMs, the activation and the slot sum;
 - ``vllm_gemms``: the same two ``fused_moe_kernel`` launches alone, on inputs aligned outside the timing (a bound
   in vLLM's favour);
 - ``triton_kernels``: OpenAI's ``matmul_ogs`` through ``moe_extension.backends.triton_kernels``;

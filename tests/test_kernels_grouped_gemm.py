@@ -602,7 +602,8 @@ def test_sanitize_gemm2_row_tiles():
 
 def test_dense_heuristic_tiles_by_block_m():
     """16-bit weights (dbrx-tp8's experts: E 16, topk 4, K 6144, N 1344): blocks of 64 rows from 24 rows per expert
-    on, of 128 from 64, and the tiles of ``dense_sorted_tiles`` per block height (both GEMMs persistent at 128);
+    on, of 128 from 64, and the tiles of ``dense_sorted_tiles`` per block height (both GEMMs persistent at 128; at 16
+    rows gemm2 tiles of 128 columns where N <= 1024);
     fp32 activations and the quantized formats keep their own rules (never a persistent gemm1)."""
     def bf16(M, N=1344, dtype=torch.bfloat16, quant="none"):
         return configs.heuristic_config(M, 16, N, 6144, 4, dtype, True, True, 132, quant)
@@ -620,6 +621,7 @@ def test_dense_heuristic_tiles_by_block_m():
     assert c.block_m == 32 and (c.gemm1.block_k, c.gemm1.tail_m) == (128, 16) and c.gemm2.tma_a and c.gemm2.tma_weights
     c = bf16(32)  # 8 rows
     assert c.block_m == 16 and (c.gemm1.block_n, c.gemm1.block_k) == (32, 128) and c.gemm2.tma_weights
+    assert c.gemm2.block_n == 64 and bf16(32, N=1024).gemm2.block_n == 128  # 128 columns for short reductions
     assert bf16(512, dtype=torch.float32).block_m == 64 and not bf16(512, dtype=torch.float32).gemm1.tma_weights
     assert bf16(128, quant="mxfp4").block_m == 32 and not bf16(512, quant="mxfp4").gemm2.persistent
     mx = bf16(512, quant="mxfp4")

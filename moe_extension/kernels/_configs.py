@@ -303,7 +303,8 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     table's entries for the three benchmark models and its runs on the zoo of ``bench_zoo.py``), as a rule of
     block_m (from 64 rows per expert on, blocks of 128: ``heuristic_config``):
 
-    - 16 rows: gemm1 tiles of 32 columns (64 weight rows) in 128-column steps; gemm2's weights by TMA;
+    - 16 rows: gemm1 tiles of 32 columns (64 weight rows) in 128-column steps; gemm2's weights by TMA, in tiles of
+      128 output columns where N <= 1024 (measured on an H200, see the NOTE below);
     - 32 rows: gemm1 64 x 128 steps, 3 stages, weights by TMA in expert-major order, 16-row tail tiles; gemm2's
       weights and rows by TMA;
     - 64 rows: gemm1's weights by TMA in expert-major order, 128 columns (256 weight rows) for N >= 2048;
@@ -344,7 +345,15 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     against 391 us for blocks of 64; qwen3-next M = 8192: 1126 against 1173)."""
     if block_m == 16:
         g1 = dataclasses.replace(g1, block_n=32, block_k=128)
-        g2 = dataclasses.replace(g2, tma_weights=True)
+        # NOTE: a reduction of at most 8 steps (N <= 1024): gemm2 tiles of 128 output columns, half the programs,
+        # each with its prologue and epilogue over twice the rows. H200, bf16, swigluoai, CUDA-graph medians of 3
+        # interleaved rounds, outputs bitwise equal, 128 against 64 columns: qwen3-next-80b-a3b-tp2 (N 256) M = 8
+        # 81.9 against 84.5 us, M = 64 308.0 against 317.9, M = 512 444.2 against 453.9; qwen3-235b-a22b-tp4 (N 384)
+        # M = 8 134.5 against 137.9, M = 64 290.3 against 296.3; deepseek-v3-tp4 (N 512) M = 64 1115.4 against
+        # 1126.2. Longer reductions gained less or lost: N 1408-1536 0.2-0.9%, jamba-v0.1 (N 14336) M = 8 807.8
+        # against 798.9 (benchmarks/results/ab_gemm2_wide_tiles_h200.txt: ``python benchmarks/ab_fused_experts.py
+        # --model qwen3-235b-a22b-tp4 --tokens 8 --variant '{"gemm2": {"block_n": 128}}'``, and so on).
+        g2 = dataclasses.replace(g2, tma_weights=True, block_n=128 if N <= 1024 else g2.block_n)
     elif block_m == 32:
         g1 = dataclasses.replace(g1, block_n=64, block_k=128, num_stages=3, group_m=0, tail_m=16, tma_weights=True)
         g2 = dataclasses.replace(g2, tma_weights=True, tma_a=True)
