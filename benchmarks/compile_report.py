@@ -58,8 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--all-kernels", action="store_true", help="also the routing, quantization and slot-sum launches")
     p.add_argument("--dump", default=None, metavar="DIR",
                    help="also write each kernel's Triton GPU IR, PTX and SASS there (KERNEL.ttgir, KERNEL.ptx, "
-                        "KERNEL.sass; a kernel launched "
-                        "twice in the call: its last launch)")
+                        "KERNEL.sass; a kernel launched twice in the call: its last launch)")
     # The two child processes: the interpreter's records the launches, the other compiles them.
     p.add_argument("--record", default=None, help=argparse.SUPPRESS)
     p.add_argument("--compile", default=None, help=argparse.SUPPRESS)
