@@ -661,11 +661,14 @@ def gather_rows_kernel(x_ptr, out_ptr, os_ptr, sorted_ptr, block_expert_ptr, P, 
 def sum_slots_kernel(
     y_ptr, out_ptr, inverse_ptr, M, topk, N_OUT, SPLITS,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_om, stride_on,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, Y_SORTED: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, Y_SORTED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, n] = sum over splits s and valid slots j (inverse[t * topk + j] >= 0) of y[s, t, j, n], in
     increasing (s, j): deterministic. Y_SORTED: y is [sorted rows, N_OUT] instead (the persistent gemm2's
-    output, one split), the slot's row is inverse[t * topk + j] and stride_yt the row stride."""
+    output, one split), the slot's row is inverse[t * topk + j] and stride_yt the row stride. SLOTS >= topk, a
+    power of two: a token's inverse entries are read as one vector before the slots' rows, so that no row load
+    waits for a load of its index."""
     grid_dependency(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -673,10 +676,13 @@ def sum_slots_kernel(
     n_ok = offs_n < N_OUT
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     t64 = offs_t.to(tl.int64)
+    jj = tl.arange(0, SLOTS)
+    rows = tl.load(inverse_ptr + t64[:, None] * topk + jj[None, :], mask=t_ok[:, None] & (jj < topk)[None, :],
+                   other=-1)
     y_tile = y_ptr + t64[:, None] * stride_yt + offs_n[None, :] * stride_yn
     for _ in range(0, SPLITS):
-        for j in range(0, topk):
-            row = tl.load(inverse_ptr + t64 * topk + j, mask=t_ok, other=-1)
+        for j in tl.range(0, topk, loop_unroll_factor=4):
+            row = tl.sum(tl.where(jj[None, :] == j, rows, 0), axis=1)
             if Y_SORTED:
                 y_ptrs = y_ptr + tl.maximum(row, 0).to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
             else:

@@ -369,7 +369,7 @@ def _sum_slots(y, inverse, out, topk, pdl: bool = False):
     block_n = min(next_power_of_2(K), 2048)
     kern.sum_slots_kernel[(M, cdiv(K, block_n))](
         y, out, inverse, M, topk, K, splits, *strides, out.stride(0), out.stride(1), BLOCK_T=1, BLOCK_N=block_n,
-        Y_SORTED=y.dim() == 2, **pdl_options(pdl, num_warps=4),
+        SLOTS=next_power_of_2(topk), Y_SORTED=y.dim() == 2, **pdl_options(pdl, num_warps=4),
     )
 
 
