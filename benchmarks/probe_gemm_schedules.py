@@ -11,10 +11,10 @@ Variants, ``NAME_BN`` with BN the tile's N (tiles of 128 x BN x 64; 4 stages at 
   (``warp_specialize=True``: on sm_90, with 4 warps, a producer warp group and two consumer ones, 12 warps);
 - ``cublas``: ``torch.matmul``.
 
-Each (shape, variant) runs in a child process with a timeout (``--timeout``), so that a kernel that never ends
-costs that and no more; a child prints one JSON line (time per call: the median of 7 CUDA-graph replays of 20
-calls; TFLOP/s; the output's max error relative to the fp32 product's max) or the parent prints the timeout. Tiles
-in super-groups of 8 row blocks. CUDA only (sm_90+ for the TMA loads).
+Each (shape, variant) runs in a child process with a timeout (``--timeout``), so that a kernel that never ends costs
+that and no more; a child prints one JSON line (time per call: the median of 7 CUDA-graph replays of 20 calls,
+``harness.time_graph_us``; TFLOP/s; the output's max error relative to the fp32 product's max) or the parent prints
+the timeout. Tiles in super-groups of 8 row blocks. CUDA only (sm_90+ for the TMA loads).
 
     python benchmarks/probe_gemm_schedules.py --shapes 8192x2816x2048 8192x8192x8192
 """
@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from harness import time_graph_us
 
 VARIANTS = ("cublas", "p8_256", "t8_256", "p8_128", "p4ws_128", "t4ws_128", "p4ws_256", "t4ws_256")
 
@@ -78,27 +80,6 @@ def gemm_tiled(a_desc, b_desc, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexp
     _store_tile(c_ptr, acc, M, N, pm, pn, BM, BN)
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    """Median over 7 replays of a CUDA graph of ``reps`` calls, per call (us)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[3]
-
-
 def run_one(M: int, N: int, K: int, variant: str) -> dict:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -128,7 +109,7 @@ def run_one(M: int, N: int, K: int, variant: str) -> dict:
     fn()
     torch.cuda.synchronize()
     err = ((c.float() - ref).abs().max() / ref.abs().max()).item()
-    us = graph_us(fn)
+    us = time_graph_us(lambda i: fn(), reps=20, replays=7)
     return {"M": M, "N": N, "K": K, "variant": variant, "us": us, "TFLOPs": 2 * M * N * K / us / 1e6, "rel_err": err}
 
 
