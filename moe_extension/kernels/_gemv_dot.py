@@ -44,7 +44,7 @@ from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, gemm1_epilogue
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import (acc_t_finish, dot_step_t, quantize_fp8_groups, scale_rows,
+from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quantize_fp8_groups, scale_rows,
                                                    weight_advance, weight_ptrs)
 
 
@@ -82,7 +82,7 @@ def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, strid
             a = a.to(tl.float32) * g[:, None]
         acc_t = dot_step_t(acc_t, a, a_s, w_ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, A_Q)
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
-    acc_t = acc_t_finish(acc_t, WFMT)
+    acc_t = acc_finish(acc_t, WFMT)
     # rows 1.. multiplied zeros: only row 0 is kept (a NaN weight must not reach it through them)
     return tl.sum(tl.where((r16 == 0)[None, :], acc_t, 0.0), axis=1)
 

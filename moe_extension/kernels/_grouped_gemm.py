@@ -48,7 +48,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import (acc_finish, acc_zeros, dot_step, dot_tile, fma_step, fp8_operand,
+from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, fp8_operand,
                                                    fp8_part_scales, quantize_fp8_groups, scale_rows, weight_advance,
                                                    weight_ptrs)
 
@@ -307,9 +307,9 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     if A_Q:
         # Scales per token, or per sorted row when the rows come in sorted order (A_DESC)
         xs_ptrs = xs_ptr + (rows if A_DESC else token).to(tl.int64) * stride_xsm
-    acc = acc_zeros(BM, W_ROWS // PARTS, WFMT)
+    acc = tl.zeros([BM, W_ROWS // PARTS], dtype=tl.float32)
     if PARTS == 2:
-        acc_b = acc_zeros(BM, W_ROWS // PARTS, WFMT)
+        acc_b = tl.zeros([BM, W_ROWS // PARTS], dtype=tl.float32)
     else:
         acc_b = acc  # unused
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
@@ -348,7 +348,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
             acc = dot_step(acc, a, a_s, w_ptrs, s_ptrs, K - kk * BLOCK_K, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, A_Q)
         a_ptrs += BLOCK_K * stride_xk
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
-    acc = acc_finish(acc, BM, WFMT)
+    acc = acc_finish(acc, WFMT)
 
     if PARTS == 2:
         result = gemm1_epilogue_parts(acc, acc_b, g, bias_ptr, expert, wr, wr_b, has_bias, N_OUT, N_HALF, stride_be,
@@ -513,7 +513,7 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
         s_ptrs = fp8_part_scales(ws_ptr, e64, n0, stride_se, stride_sn) + (k_start // 128) * stride_sk
     if A_Q:
         as_ptrs = as_ptr + rows.to(tl.int64) * stride_asm + k_start // 128
-    acc = acc_zeros(BM, BLOCK_N, WFMT)
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     k_end = tl.minimum(k_start + k_per_split, K)
     for kk in range(0, tl.cdiv(k_end - k_start, BLOCK_K)):
         if A_DESC:
@@ -538,7 +538,7 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
                            DOT_PREC, A_Q)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs, s_ptrs = weight_advance(w_ptrs, s_ptrs, stride_wk, stride_sk, BLOCK_K, WFMT)
-    acc = acc_finish(acc, BM, WFMT)
+    acc = acc_finish(acc, WFMT)
 
     b_lim = tl.where((has_bias != 0) & (split == 0), N_OUT, 0)
     acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + wr * stride_bn, mask=wr < b_lim,

@@ -29,22 +29,20 @@ schedules; what differs between weight formats is only this plug, selected by th
   (``moe_extension.quant.mxfp4_mma``: bands of 16 rows, chunks of 64 columns, contiguous stacks). A tile is
   whole bands: one 32-bit word per thread and k16 step decodes into the four bf16x2 registers of its
   ``wgmma`` A operand (``_mma_words``: rotates, masks and one multiply by the scale factors of ``_mma_scales``,
-  which leaves the weights times 2^-MMA_EXCESS; ``acc_t_finish`` scales the accumulator back). Blocks of fewer
-  than ``MMA_MIN_BM`` rows run the dot transposed, ``acc^T += W a^T``: the decoded weights are the register
+  which leaves the weights times 2^-MMA_EXCESS; ``acc_finish`` scales the accumulator back), and the dot runs
+  transposed, ``acc^T += W a^T``: the decoded weights are the register
   operand, the activations the shared-memory one, so nothing decoded goes through shared memory and the
-  tokens of a block are the MMA's N (16 rows suffice); larger blocks stage the decoded tile in shared memory and
-  multiply ``a W^T`` (``dot_step``). Tensor-core steps only (the sorted schedule, and the direct schedule's GEMVs
-  of ``_gemv_dot``, whose one activation row is row 0 of a 16-row tile).
+  tokens of a block are the MMA's N (16 rows suffice). Tensor-core steps only (the sorted schedule, and the
+  direct schedule's GEMVs of ``_gemv_dot``, whose one activation row is row 0 of a 16-row tile).
 
 Each format provides the device functions every kernel calls at the same places: ``scale_rows`` (the scale
 offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
 ``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
-``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_zeros`` / ``acc_finish`` (the accumulator
-before the first and after the last tensor-core step), and for the direct schedule's GEMVs either ``dot_step_t``
-(the transposed tensor-core step of ``_gemv_dot``: MXFP4 in the MMA layout, fp8 block; ``acc_t_finish`` after its
-last step) or ``fma_step`` (dense, MXFP4: elementwise products into a ``[..., R, BLOCK_K]`` fp32 tile,
-``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at the end). A new format adds a branch
-to each, its scale arguments and its tests.
+``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_finish`` (the accumulator after the last
+tensor-core step), and for the direct schedule's GEMVs either ``dot_step_t`` (the transposed tensor-core step of
+``_gemv_dot``: MXFP4 in the MMA layout, fp8 block) or ``fma_step`` (dense, MXFP4: elementwise products into a
+``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at the
+end). A new format adds a branch to each, its scale arguments and its tests.
 
 ``PTX`` (constexpr): True on the GPU: decode MXFP4 codes with inline PTX (``_E2M1X4_ASM``; sm_80+, bf16x2
 FMAs) and apply the scales by a bf16 multiply; round to fp8 with the hardware conversion. False, for Triton's
@@ -203,9 +201,6 @@ mad.lo.u32 $1, t, 128, {(_MMA_FIELD << 7) * 0x10001:#x};
 """)
 _MMA_FIELD_C = tl.constexpr(_MMA_FIELD)
 _MMA_ACC_FACTOR = tl.constexpr(float(2**MMA_EXCESS))
-# Blocks of at least this many rows multiply MXFP4 in the MMA layout untransposed (``dot_step``): a warpgroup's MMA
-# takes 64 rows of M.
-MMA_MIN_BM = tl.constexpr(64)
 
 
 @triton.jit
@@ -270,7 +265,7 @@ def _mma_scales(s, PTX: tl.constexpr):
 def _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
     """The decoded tile [16 B, BLOCK_K] (natural row and column order) of one MMA-layout step whose codes /
     scales ``weight_ptrs`` gives as [B, BLOCK_K * 8] / [B, BLOCK_K / 2]: the weights times 2^-MMA_EXCESS
-    (``acc_t_finish`` multiplies the accumulator back); chunks of 64 columns from ``k_left`` on read as 0."""
+    (``acc_finish`` multiplies the accumulator back); chunks of 64 columns from ``k_left`` on read as 0."""
     B: tl.constexpr = ptrs.shape[0]
     C: tl.constexpr = BLOCK_K // 64
     if EVEN_K:
@@ -528,59 +523,28 @@ def dot_tile(acc, a, a_scale, w, s_ptrs, WFMT: tl.constexpr, PTX: tl.constexpr, 
 
 
 @triton.jit
-def acc_zeros(BM: tl.constexpr, R: tl.constexpr, WFMT: tl.constexpr):
-    """The fp32 accumulator a loop of ``dot_step`` over blocks of BM rows starts from: [BM, R] zeros, or their
-    transpose [R, BM] where the steps run transposed (MXFP4 in the MMA layout, BM < MMA_MIN_BM: ``dot_step``)."""
-    if WFMT == 3 and BM < MMA_MIN_BM:
-        out = tl.zeros([R, BM], dtype=tl.float32)
-    else:
-        out = tl.zeros([BM, R], dtype=tl.float32)
-    return out
-
-
-@triton.jit
-def acc_finish(acc, BM: tl.constexpr, WFMT: tl.constexpr):
-    """The [BM, R] result of a finished loop of ``dot_step`` from its accumulator (``acc_zeros``)."""
+def acc_finish(acc, WFMT: tl.constexpr):
+    """The accumulator of a finished reduction (tensor-core steps): the MMA layout's steps multiply weights
+    times 2^-MMA_EXCESS (its scale factors stay bf16 numbers), so its accumulator is scaled back (exact)."""
     if WFMT == 3:
-        if BM < MMA_MIN_BM:
-            acc = tl.trans(acc)
-        acc = acc_t_finish(acc, WFMT)
+        acc = acc * _MMA_ACC_FACTOR
     return acc
-
-
-@triton.jit
-def acc_t_finish(acc_t, WFMT: tl.constexpr):
-    """The accumulator of a finished loop of ``dot_step_t`` (or of ``dot_step``): the MMA layout's steps multiply
-    weights times 2^-MMA_EXCESS (its scale factors stay bf16 numbers), so its accumulator is scaled back (exact)."""
-    if WFMT == 3:
-        acc_t = acc_t * _MMA_ACC_FACTOR
-    return acc_t
 
 
 @triton.jit
 def dot_step(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
              PTX: tl.constexpr, DOT_PREC: tl.constexpr, A_Q: tl.constexpr):
     """``acc [BM, R] += a [BM, BLOCK_K] @ W[rows, k step]^T`` for the tile at ``ptrs`` (``TRANS`` pointers of
-    ``weight_ptrs``); ``k_left`` columns remain from this step's first one (past them W reads as 0); ``acc`` as
-    ``acc_zeros`` makes it, ``acc_finish`` after the last step.
+    ``weight_ptrs``); ``k_left`` columns remain from this step's first one (past them W reads as 0).
 
     MXFP4: two dots, the activations' even columns with the decoded low nibbles and the odd columns with the
     high nibbles: each decoded tile stays in the register layout it was decoded in (no interleaving shuffle).
-    MXFP4 in the MMA layout: blocks of fewer than MMA_MIN_BM rows run transposed, ``acc^T += W a^T``
-    (``dot_step_t``: the decoded tile [R, BLOCK_K] is the dot's register operand, the block's rows its N); larger
-    blocks run ``acc += a W^T`` with the decoded tile staged in shared memory, the block's rows the MMA's M.
-    NOTE: transposed, the register operand of every wgmma of a step is decoded before the step's wgmmas run; at
-    128-row blocks ptxas serialized gemm2's wgmmas (4 warps, 239 registers) and gemm1 held 255 registers and spilled
-    (8 warps); from shared memory both are pipelined without spills (gemm1 217, gemm2 255 registers; ``python
-    benchmarks/compile_report.py --model gpt-oss-20b --tokens 4096 --quant mxfp4_mma --experts 32``).
+    MXFP4 in the MMA layout: the decoded tile [R, BLOCK_K] is the dot's register operand, ``acc^T += W a^T``.
     Dense and fp8 block: the tile loaded, then ``dot_tile``.
     """
     if WFMT == 3:
-        if a.shape[0] < MMA_MIN_BM:
-            acc = dot_step_t(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC, False)
-        else:
-            w = _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
-            acc = tl.dot(_as_bf16(a, PTX), tl.trans(w), acc, input_precision=DOT_PREC)
+        acc = tl.trans(dot_step_t(tl.trans(acc), a, a_scale, ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, WFMT, PTX, DOT_PREC,
+                                  False))
     elif WFMT == 1:
         w_ev, w_od = _load_mxfp4(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         a_ev, a_od = _even_odd(_as_bf16(a, PTX))
