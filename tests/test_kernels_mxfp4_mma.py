@@ -135,12 +135,15 @@ def test_opcheck_fused_experts_mma():
 SORTED = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2))
 SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(128, 128, 8, 2, tail_m=16), GemmConfig(256, 128, 8, 2, tail_m=16))
 SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2, split_k=2))
+# Blocks of 64 rows (the untransposed steps of dot_step) with tail tiles of 32 (transposed) in both GEMMs.
+SORTED_WIDE = MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 2, group_m=0, tail_m=32),
+                        GemmConfig(128, 128, 4, 2, tail_m=32))
 # The direct schedule (``_gemv_dot``): whole reductions, and both reductions split (partials + last-program sum).
 DIRECT = MoeConfig("direct", 0, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2, group_m=0))
 DIRECT_SPLIT = MoeConfig("direct", 0, GemmConfig(64, 128, 4, 2, group_m=0, split_k=2),
                          GemmConfig(128, 128, 4, 2, group_m=0, split_k=2))
-CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "direct": DIRECT,
-           "direct_split": DIRECT_SPLIT}
+CONFIGS = {"sorted": SORTED, "sorted_tail": SORTED_TAIL, "sorted_split": SORTED_SPLIT, "sorted_wide": SORTED_WIDE,
+           "direct": DIRECT, "direct_split": DIRECT_SPLIT}
 
 
 def checked_config(name, dtype, N, K, topk) -> MoeConfig:
@@ -155,6 +158,7 @@ FUSED_CASES = [
     ("sorted_tail", "gelu", torch.float32, 48, 3, 5, 128, 64, dict(emap=True)),
     ("sorted_tail", "gelu_tanh", torch.float16, 36, 3, 5, 64, 192, dict(bias=True)),
     ("sorted_split", "swiglustep", torch.float32, 10, 4, 5, 64, 256, dict(on_input=True, emap=True)),
+    ("sorted_wide", "swigluoai", torch.float32, 160, 2, 3, 192, 64, dict(bias=True, on_input=True)),
     ("direct", "silu", torch.float16, 7, 2, 6, 128, 64, dict(bias=True, on_input=True, emap=True)),
     ("direct_split", "swigluoai", torch.float32, 6, 3, 5, 192, 256, dict(bias=True)),
     ("direct_split", "gelu", torch.float32, 9, 1, 5, 256, 192, dict(emap=True)),
@@ -174,6 +178,9 @@ def test_fused_experts_matches_torch(poisoned, case):
     if name == "sorted_tail":
         counts = torch.bincount(local_ids(ids, emap, E).flatten() + 1, minlength=E + 1)[1:]
         assert ((counts > 0) & (counts <= 16)).any() and (counts > 16).any(), "tail tiles and full tiles"
+    if name == "sorted_wide":
+        counts = torch.bincount(local_ids(ids, emap, E).flatten() + 1, minlength=E + 1)[1:]
+        assert (counts > 64).any() and ((counts % 64 > 0) & (counts % 64 <= 32)).any(), "64-row and 32-row tiles"
     x = torch.randn(M, K, dtype=dtype)
     kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, apply_router_weight_on_input=opts.get("on_input", False),
               alpha=1.702, limit=7.0)
@@ -189,11 +196,13 @@ def test_fused_experts_matches_torch(poisoned, case):
 
 @interpreted
 @pytest.mark.parametrize("on_input", [False, True])
-@pytest.mark.parametrize("schedule", ["sorted", "direct_split"])
+@pytest.mark.parametrize("schedule", ["sorted", "sorted_wide", "direct_split"])
 def test_expert_gemms_match_torch(on_input, schedule):
-    M, topk, E, K, N = 11, 2, 4, 128, 64
+    M, topk, E, K, N = 400 if schedule == "sorted_wide" else 11, 2, 4, 128, 64
     (w1, s1, w2, s2, b1, b2), (q1, t1, q2, t2, _, _) = mma_experts(E, K, N, bias=True, seed=7)
     g, ids, emap = routing(M, topk, E, emap=True, seed=2)
+    if schedule == "sorted_wide":
+        assert (torch.bincount(local_ids(ids, emap, E).flatten() + 1, minlength=E + 1)[1:] > 64).any(), "64-row tiles"
     g = g.nan_to_num(0.0)
     x = torch.randn(M, K)
     cfg = CONFIGS[schedule]

@@ -540,6 +540,10 @@ def dot_step(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_
     MXFP4: two dots, the activations' even columns with the decoded low nibbles and the odd columns with the
     high nibbles: each decoded tile stays in the register layout it was decoded in (no interleaving shuffle).
     MXFP4 in the MMA layout: the decoded tile [R, BLOCK_K] is the dot's register operand, ``acc^T += W a^T``.
+    NOTE: at every block size, also where a block fills the MMA's M (64+ rows): the decoded tile staged in shared
+    memory for ``a W^T`` took 1.65-1.76x the time on the H200 (gpt-oss-20b M = 4096 3300 against 1875 us, -120b
+    M = 4096 3744 against 2176) and summed 64-row blocks on 4 warps wrong (Triton 3.6), though ptxas pipelines its
+    wgmma where it serializes this one's (benchmarks/results/ab_mxfp4_mma_staged_h200.txt).
     Dense and fp8 block: the tile loaded, then ``dot_tile``.
     """
     if WFMT == 3:
