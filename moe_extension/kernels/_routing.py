@@ -18,7 +18,7 @@ non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_
   each expert's group.
 - ``tiles_done [E]``: zeroed counters for the fused path's gemm1 -> gemm2 handoff (``fused_experts``).
 
-Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one launch: the
+Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one chunk, one launch: the
 decode case), otherwise three launches: per-chunk histograms; per-expert prefixes over the chunks (NB / 16
 programs, independent columns); per-chunk scatter, whose programs also write the plan (padded starts, the
 block -> expert map, the padding), each a share of it.
@@ -38,9 +38,9 @@ from moe_extension.kernels._launch import cdiv, grid_dependency, next_power_of_2
 # histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
 CHUNK = 128
 # NOTE: up to this many pairs (one chunk) one program does all the routing: one launch instead of three.
-# Its cost grows with every chunk it walks, so from two chunks on the three launches win. H100, E = 128,
-# block_m 16, one program -> three launches: P = 128 7.5 -> 9.2 us, P = 256 10.6 -> 8.6 us, P = 512
-# 16.7 -> 7.9 us (E = 512: 37.6 -> 13.5 us).
+# A program that walked several chunks lost to the three launches from two chunks on (H100, E = 128, block_m
+# 16, one program -> three launches: P = 128 7.5 -> 9.2 us, P = 256 10.6 -> 8.6 us, P = 512 16.7 -> 7.9 us;
+# E = 512: 37.6 -> 13.5 us), so the one program routes one chunk (``_route_single_kernel``).
 SINGLE_PROGRAM_MAX_PAIRS = CHUNK
 # NOTE: the prefix over chunks runs one program per PREFIX_EXPERTS expert columns (independent scans, 8
 # programs at E = 128) over tiles of up to PREFIX_ROWS chunks ([256, 16] = 4 K elements: one step up to
@@ -141,30 +141,43 @@ def _write_padding(counts, starts, sorted_ptr, P, e_lo, e_hi, BLOCK_M: tl.conste
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
 def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map,
                          sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, BLOCK_M: tl.constexpr,
-                         NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr, EB: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Routing in one program: histogram pass, plan, then a scatter pass with per-expert running offsets."""
+                         NB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Routing of at most one chunk of pairs (P <= CHUNK) in one program: the ids read once, the plan from the
+    chunk's histogram; every used sorted row gets the sentinel first, then (after a barrier: the same rows, other
+    threads) the valid pairs overwrite theirs; each hit expert stores its own blocks' owner.
+    NOTE: against a program that walked the pairs twice (histogram, then scatter: the ids read twice), found each
+    block's owner by comparing it with every expert's block range ([blocks, NB] per step) and padded per expert,
+    ``route()`` alone under CUDA-graph replay on an H200 (block_m 16): E 512 P 80 6.8 against 11.1 us, E 256 P 128
+    5.3 against 10.0, E 128 P 128 4.6 against 7.3, E 64 P 96 4.2 against 5.6, E 8 P 32 3.9 against 4.4 (``python
+    benchmarks/bench_routing.py``; benchmarks/results/routing_h200.txt). With 8 warps: 1.7-2x slower."""
     grid_dependency(PDL)
     nb = tl.arange(0, NB)
-    offs = tl.arange(0, CHUNK)
-    counts = tl.zeros([NB], dtype=tl.int32)
-    for c0 in range(0, P, CHUNK):
-        e, valid = local_expert(ids_ptr, c0 + offs, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-        counts += _chunk_histogram(e, valid, NB)
-    starts, bend, total_blocks = _padded_starts(counts, BLOCK_M)
+    p = tl.arange(0, CHUNK)
+    e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    counts = _chunk_histogram(e, valid, NB)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    bstart = tl.cumsum(nblk, axis=0) - nblk
+    starts = bstart * BLOCK_M
+    total_blocks = tl.sum(nblk, axis=0)
+    rows = total_blocks * BLOCK_M
+    for r0 in range(0, rows, CHUNK):
+        r = r0 + p
+        tl.store(sorted_ptr + r, tl.full([CHUNK], 0, tl.int32) + P, mask=r < rows)
+    # An expert holds at most CHUNK / BLOCK_M blocks (rounded up).
+    MAXB: tl.constexpr = (CHUNK + BLOCK_M - 1) // BLOCK_M
+    j = tl.arange(0, MAXB)
+    tl.store(block_expert_ptr + bstart[:, None] + j[None, :], nb[:, None] + 0 * j[None, :],
+             mask=j[None, :] < nblk[:, None])
+    for b0 in range(total_blocks, max_blocks, CHUNK):
+        b = b0 + p
+        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < max_blocks)
     tl.store(meta_ptr + nb, counts)
     tl.store(meta_ptr + NB + nb, starts)
     tl.store(meta_ptr + 2 * NB + nb, tl.zeros([NB], dtype=tl.int32))
-    _write_block_experts(bend, total_blocks, block_expert_ptr, 0, max_blocks, BB)
-    _write_padding(counts, starts, sorted_ptr, P, 0, E, BLOCK_M, EB)
-    running = starts
-    for c0 in range(0, P, CHUNK):
-        p = c0 + offs
-        e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-        pos = tl.gather(running, tl.where(valid, e, 0), 0) + _rank_in_chunk(e, valid, CHUNK)
-        tl.store(sorted_ptr + pos, p, mask=valid)
-        tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
-        running += _chunk_histogram(e, valid, NB)
+    pos = tl.gather(starts, tl.where(valid, e, 0), 0) + _rank_in_chunk(e, valid, CHUNK)
+    tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
+    tl.debug_barrier()
+    tl.store(sorted_ptr + pos, p, mask=valid)
 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
@@ -235,7 +248,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     strides) over ``num_experts`` local experts; ``expert_map [E_global]`` int32 maps global to local ids.
 
     Schedule knobs (the tests set them to reach both schedules and multi-step prefixes; the results do not
-    depend on them): ``single_program_max_pairs``, the largest P routed by one program;
+    depend on them): ``single_program_max_pairs``, the largest P routed by one program (at most CHUNK);
     ``prefix_rows`` (a power of two), the chunks per step of the prefix kernel. ``pdl``: launch every kernel
     with programmatic dependent launch (sm_90+; each waits for its predecessor before touching memory).
     """
@@ -262,10 +275,10 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     EB = min(next_power_of_2(E), max(1, 8192 // block_m))
     ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), map_arg, e_global, E, P, topk, int(has_map))
     launch = pdl_options(pdl, num_warps=_NUM_WARPS)
-    if P <= single_program_max_pairs:
+    if P <= min(single_program_max_pairs, CHUNK):
         _route_single_kernel[(1,)](
             *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks,
-            BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, **launch)
+            BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, **launch)
         return routing
     num_chunks = cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
