@@ -147,9 +147,10 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
     threads) the valid pairs overwrite theirs; each hit expert stores its own blocks' owner.
     NOTE: against a program that walked the pairs twice (histogram, then scatter: the ids read twice), found each
     block's owner by comparing it with every expert's block range ([blocks, NB] per step) and padded per expert,
-    ``route()`` alone under CUDA-graph replay on an H200 (block_m 16): E 512 P 80 6.8 against 11.1 us, E 256 P 128
-    5.3 against 10.0, E 128 P 128 4.6 against 7.3, E 64 P 96 4.2 against 5.6, E 8 P 32 3.9 against 4.4 (``python
-    benchmarks/bench_routing.py``; benchmarks/results/routing_h200.txt). With 8 warps: 1.7-2x slower."""
+    ``route()`` alone under CUDA-graph replay on an H200 (block_m 16): E 512 P 80 6.89 against 11.24 us, E 256
+    P 128 5.30 against 9.92, E 128 P 128 4.71 against 7.34, E 64 P 96 4.29 against 5.58, E 8 P 32 3.81 against
+    4.46; qwen3-next-80b-a3b-tp2 M = 8 end to end 74.5 against 78.6 us (``python benchmarks/bench_routing.py``,
+    benchmarks/results/ab_routing_one_chunk_h200.txt)."""
     grid_dependency(PDL)
     nb = tl.arange(0, NB)
     p = tl.arange(0, CHUNK)
