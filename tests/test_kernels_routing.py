@@ -55,9 +55,11 @@ CASES = [
     (3, 6, 33, 16, torch.int64, False, 512),
     (7, 16, 512, 16, torch.int32, False, 512),
     (77, 8, 64, 16, torch.int32, False, 512),  # 616 pairs: the three-launch schedule
-    (16, 8, 4, 16, torch.int32, False, 512),  # one full chunk (P = 128) in one program, 2 blocks per expert
+    (16, 8, 4, 16, torch.int32, False, 512),  # P = 128 in one program, 2 blocks per expert
     (64, 2, 1, 16, torch.int64, True, 512),  # one local expert
-    (128, 1, 300, 128, torch.int32, False, 512),  # one chunk, ~100 experts of one 128-row block each
+    (128, 1, 300, 128, torch.int32, False, 512),  # ~100 experts of one 128-row block each
+    (50, 8, 64, 16, torch.int32, True, 512),  # P = 400 in one program (keys sorted over 512)
+    (64, 8, 300, 32, torch.int64, False, 512),  # P = 512, the most one program routes
     (50, 3, 8, 32, torch.int64, True, 0),
     (20, 4, 10, 16, torch.int32, True, 512),
     (100, 2, 5, 64, torch.int32, False, 0),
@@ -108,13 +110,13 @@ def test_route_strided_ids_and_all_distinct(device):
 
 @pytest.mark.parametrize("device", GPU_DEVICES)
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_route_one_expert_takes_the_chunk(device, block_m):
-    # All 128 pairs of one chunk (the one-program schedule) on expert 5 of 9: 128 / block_m blocks of one owner.
-    ids = torch.full((32, 4), 5, dtype=torch.int32, device=device)
+def test_route_one_expert_takes_the_pairs(device, block_m):
+    # All 512 pairs (the one-program schedule's most) but one on expert 5 of 9: 511 / block_m blocks of one owner.
+    ids = torch.full((128, 4), 5, dtype=torch.int32, device=device)
     ids[3, 1] = -1
     r = route(ids, 9, block_m)
     _check(r, ids, 9, block_m)
-    assert int((r.block_expert == 5).sum()) == -(-127 // block_m)
+    assert int((r.block_expert == 5).sum()) == -(-511 // block_m)
 
 
 @pytest.mark.parametrize("device", GPU_DEVICES)

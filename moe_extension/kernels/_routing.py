@@ -18,10 +18,10 @@ non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_
   each expert's group.
 - ``tiles_done [E]``: zeroed counters for the fused path's gemm1 -> gemm2 handoff (``fused_experts``).
 
-Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one chunk, one launch: the
-decode case), otherwise three launches: per-chunk histograms; per-expert prefixes over the chunks (NB / 16
-programs, independent columns); per-chunk scatter, whose programs also write the plan (padded starts, the
-block -> expert map, the padding), each a share of it.
+Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one launch: decode and
+small batches; the pairs put in order by one sort of (expert, pair) keys), otherwise three launches: per-chunk
+histograms; per-expert prefixes over the chunks (NB / 16 programs, independent columns); per-chunk scatter, whose
+programs also write the plan (padded starts, the block -> expert map, the padding), each a share of it.
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ from moe_extension.kernels._launch import cdiv, grid_dependency, next_power_of_2
 # NOTE: pairs handled per loop step / per program. 128 = one element per thread at num_warps=4, so the
 # histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
 CHUNK = 128
-# NOTE: up to this many pairs (one chunk) one program does all the routing: one launch instead of three.
-# A program that walked several chunks lost to the three launches from two chunks on (H100, E = 128, block_m
-# 16, one program -> three launches: P = 128 7.5 -> 9.2 us, P = 256 10.6 -> 8.6 us, P = 512 16.7 -> 7.9 us;
-# E = 512: 37.6 -> 13.5 us), so the one program routes one chunk (``_route_single_kernel``).
-SINGLE_PROGRAM_MAX_PAIRS = CHUNK
+# NOTE: up to this many pairs one program does all the routing (``_route_single_kernel``, one launch instead of
+# three; 8 warps from 257 pairs: 4.3 against 4.8 us at E 256 P 512 on an H200, 7.5 against 10.6 at P 1024, where
+# it ties with the three launches).
+SINGLE_PROGRAM_MAX_PAIRS = 512
 # NOTE: the prefix over chunks runs one program per PREFIX_EXPERTS expert columns (independent scans, 8
 # programs at E = 128) over tiles of up to PREFIX_ROWS chunks ([256, 16] = 4 K elements: one step up to
 # 32 K pairs), and the scatter programs share the plan. It replaced one program that walked all the
@@ -141,44 +140,48 @@ def _write_padding(counts, starts, sorted_ptr, P, e_lo, e_hi, BLOCK_M: tl.conste
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
 def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map,
                          sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, BLOCK_M: tl.constexpr,
-                         NB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """Routing of at most one chunk of pairs (P <= CHUNK) in one program: the ids read once, the plan from the
-    chunk's histogram; every used sorted row gets the sentinel first, then (after a barrier: the same rows, other
-    threads) the valid pairs overwrite theirs; each hit expert stores its own blocks' owner.
-    NOTE: against a program that walked the pairs twice (histogram, then scatter: the ids read twice), found each
-    block's owner by comparing it with every expert's block range ([blocks, NB] per step) and padded per expert,
-    ``route()`` alone under CUDA-graph replay on an H200 (block_m 16): E 512 P 80 6.89 against 11.24 us, E 256
-    P 128 5.30 against 9.92, E 128 P 128 4.71 against 7.34, E 64 P 96 4.29 against 5.58, E 8 P 32 3.81 against
-    4.46; qwen3-next-80b-a3b-tp2 M = 8 end to end 74.5 against 78.6 us (``python benchmarks/bench_routing.py``,
-    benchmarks/results/ab_routing_one_chunk_h200.txt)."""
+                         NB: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr):
+    """Routing of P <= PB pairs in one program: the ids read once, the plan from their histogram, and the pairs
+    in sorted order by one sort of the keys ``expert * PB + p`` (invalid pairs last): the i-th valid key's pair goes
+    to its expert's padded start plus i minus the expert's first index in the sorted keys. Every used sorted row
+    gets the sentinel first, then (after a barrier: the same rows, other threads) the valid pairs overwrite theirs;
+    a used block holds a valid pair, so its pairs store its owner.
+    NOTE: against one chunk routed by a [128, 128] rank matrix with the ids read twice, each block's owner found
+    by comparing it with every expert's block range, and three launches above 128 pairs: ``route()`` alone under
+    CUDA-graph replay on an H200, block_m 16 (``python benchmarks/bench_routing.py``,
+    benchmarks/results/ab_routing_sort_h200.txt): E 512 P 80 3.7 against 11.2 us, P 160 4.2 against 10.5 (three
+    launches), E 256 P 128 2.8 against 9.9, E 256 P 512 4.3 against 7.9, E 8 P 32 1.9 against 4.5. At P 1024 it
+    was no faster than the three launches (E 256: 7.5 on 8 warps, 10.6 on 4, against 7.5): SINGLE_PROGRAM_MAX_PAIRS."""
     grid_dependency(PDL)
     nb = tl.arange(0, NB)
-    p = tl.arange(0, CHUNK)
+    p = tl.arange(0, PB)
     e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
     counts = _chunk_histogram(e, valid, NB)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
-    bstart = tl.cumsum(nblk, axis=0) - nblk
-    starts = bstart * BLOCK_M
+    starts = (tl.cumsum(nblk, axis=0) - nblk) * BLOCK_M
+    first = tl.cumsum(counts, axis=0) - counts  # each expert's first index among the sorted valid keys
     total_blocks = tl.sum(nblk, axis=0)
     rows = total_blocks * BLOCK_M
-    for r0 in range(0, rows, CHUNK):
+    for r0 in range(0, rows, PB):
         r = r0 + p
-        tl.store(sorted_ptr + r, tl.full([CHUNK], 0, tl.int32) + P, mask=r < rows)
-    # An expert holds at most CHUNK / BLOCK_M blocks (rounded up).
-    MAXB: tl.constexpr = (CHUNK + BLOCK_M - 1) // BLOCK_M
-    j = tl.arange(0, MAXB)
-    tl.store(block_expert_ptr + bstart[:, None] + j[None, :], nb[:, None] + 0 * j[None, :],
-             mask=j[None, :] < nblk[:, None])
-    for b0 in range(total_blocks, max_blocks, CHUNK):
+        tl.store(sorted_ptr + r, tl.full([PB], 0, tl.int32) + P, mask=r < rows)
+    for b0 in range(total_blocks, max_blocks, PB):
         b = b0 + p
-        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < max_blocks)
+        tl.store(block_expert_ptr + b, tl.full([PB], -1, tl.int32), mask=b < max_blocks)
     tl.store(meta_ptr + nb, counts)
     tl.store(meta_ptr + NB + nb, starts)
     tl.store(meta_ptr + 2 * NB + nb, tl.zeros([NB], dtype=tl.int32))
-    pos = tl.gather(starts, tl.where(valid, e, 0), 0) + _rank_in_chunk(e, valid, CHUNK)
-    tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
+    keys = tl.sort(tl.where(valid, e, NB) * PB + p)
+    e_sorted = keys // PB
+    p_sorted = keys - e_sorted * PB
+    ok = e_sorted < NB
+    e_safe = tl.where(ok, e_sorted, 0)
+    pos = tl.gather(starts, e_safe, 0) + p - tl.gather(first, e_safe, 0)
+    tl.store(inverse_ptr + p, tl.full([PB], -1, tl.int32), mask=(p < P) & ~valid)
+    tl.store(inverse_ptr + p_sorted, pos, mask=ok)
+    tl.store(block_expert_ptr + pos // BLOCK_M, e_sorted, mask=ok)
     tl.debug_barrier()
-    tl.store(sorted_ptr + pos, p, mask=valid)
+    tl.store(sorted_ptr + pos, p_sorted, mask=ok)
 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
@@ -249,7 +252,8 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     strides) over ``num_experts`` local experts; ``expert_map [E_global]`` int32 maps global to local ids.
 
     Schedule knobs (the tests set them to reach both schedules and multi-step prefixes; the results do not
-    depend on them): ``single_program_max_pairs``, the largest P routed by one program (at most CHUNK);
+    depend on them): ``single_program_max_pairs``, the largest P routed by one program (at most
+    SINGLE_PROGRAM_MAX_PAIRS);
     ``prefix_rows`` (a power of two), the chunks per step of the prefix kernel. ``pdl``: launch every kernel
     with programmatic dependent launch (sm_90+; each waits for its predecessor before touching memory).
     """
@@ -276,10 +280,11 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     EB = min(next_power_of_2(E), max(1, 8192 // block_m))
     ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), map_arg, e_global, E, P, topk, int(has_map))
     launch = pdl_options(pdl, num_warps=_NUM_WARPS)
-    if P <= min(single_program_max_pairs, CHUNK):
+    if P <= min(single_program_max_pairs, SINGLE_PROGRAM_MAX_PAIRS):
+        PB = max(CHUNK, next_power_of_2(P))
         _route_single_kernel[(1,)](
-            *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks,
-            BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, **launch)
+            *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks, BLOCK_M=block_m, NB=NB, PB=PB,
+            **pdl_options(pdl, num_warps=_NUM_WARPS if PB <= 256 else 2 * _NUM_WARPS))
         return routing
     num_chunks = cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
