@@ -38,8 +38,8 @@ from moe_extension.kernels._launch import cdiv, grid_dependency, next_power_of_2
 # histogram layout has no replication, and the [CHUNK, CHUNK] rank matrix is 16 K elements (cheap).
 CHUNK = 128
 # NOTE: up to this many pairs one program does all the routing (``_route_single_kernel``, one launch instead of
-# three; 8 warps from 257 pairs: 4.3 against 4.8 us at E 256 P 512 on an H200, 7.5 against 10.6 at P 1024, where
-# it ties with the three launches).
+# three: at P 512 4.34 against 8.00 us on an H200, E 256, block_m 16; benchmarks/results/ab_routing_sort_h200.txt),
+# on 8 warps from 257 pairs. At 1024 pairs it stopped beating the three launches (a probe on the H200, not kept).
 SINGLE_PROGRAM_MAX_PAIRS = 512
 # NOTE: the prefix over chunks runs one program per PREFIX_EXPERTS expert columns (independent scans, 8
 # programs at E = 128) over tiles of up to PREFIX_ROWS chunks ([256, 16] = 4 K elements: one step up to
@@ -146,12 +146,11 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
     to its expert's padded start plus i minus the expert's first index in the sorted keys. Every used sorted row
     gets the sentinel first, then (after a barrier: the same rows, other threads) the valid pairs overwrite theirs;
     a used block holds a valid pair, so its pairs store its owner.
-    NOTE: against one chunk routed by a [128, 128] rank matrix with the ids read twice, each block's owner found
-    by comparing it with every expert's block range, and three launches above 128 pairs: ``route()`` alone under
-    CUDA-graph replay on an H200, block_m 16 (``python benchmarks/bench_routing.py``,
-    benchmarks/results/ab_routing_sort_h200.txt): E 512 P 80 3.7 against 11.2 us, P 160 4.2 against 10.5 (three
-    launches), E 256 P 128 2.8 against 9.9, E 256 P 512 4.3 against 7.9, E 8 P 32 1.9 against 4.5. At P 1024 it
-    was no faster than the three launches (E 256: 7.5 on 8 warps, 10.6 on 4, against 7.5): SINGLE_PROGRAM_MAX_PAIRS."""
+    NOTE: against one chunk ordered by a [128, 128] rank matrix, its blocks' owners stored per expert from a
+    [NB, blocks per expert] tile (three launches above 128 pairs), ``route()`` alone under
+    CUDA-graph replay on an H200, block_m 16: E 512 P 80 3.62 against 6.83 us, P 160 4.26 against 10.62 (three
+    launches), E 256 P 128 2.79 against 5.30, P 512 4.34 against 8.00, E 8 P 32 1.88 against 3.86
+    (``python benchmarks/bench_routing.py``, benchmarks/results/ab_routing_sort_h200.txt)."""
     grid_dependency(PDL)
     nb = tl.arange(0, NB)
     p = tl.arange(0, PB)
