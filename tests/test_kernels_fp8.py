@@ -419,7 +419,7 @@ def test_fp8_heuristic_configs(M, E, topk, K, N, dtype):
             assert g.num_stages * (rows * a_esize + mult * g.block_n) * g.block_k <= configs.SMEM_BUDGET
         else:  # the tensor-core GEMVs: 64 to 256 weight rows (a warpgroup's MMA takes 64)
             assert g.block_k == 128 and 64 <= mult * g.block_n <= 256
-    assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
+    assert cfg.path == ("direct" if configs.use_direct(M, E, topk, "fp8_block") else "sorted")
     assert configs.sanitize(cfg, dtype, N, K, topk, quant="fp8_block") == cfg
 
 
@@ -454,7 +454,7 @@ def test_heuristic_forced_schedule():
     ``use_direct``."""
     for M, path in ((16, "direct"), (1, "sorted"), (1, None), (16, None)):
         cfg = configs.heuristic_config(M, 128, 768, 2048, 8, torch.bfloat16, True, True, quant="fp8_block", path=path)
-        assert cfg.path == (path or ("direct" if configs.use_direct(M, 128, 8) else "sorted"))
+        assert cfg.path == (path or ("direct" if configs.use_direct(M, 128, 8, "fp8_block") else "sorted"))
 
 
 @pytest.mark.parametrize("N,rows", [(512, 64), (768, 64), (1024, 64), (2048, 0), (1000, 0)])

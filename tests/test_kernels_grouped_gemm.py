@@ -631,6 +631,22 @@ def test_dense_heuristic_tiles_by_block_m():
                                       q).gemm1.persistent for q in ("mxfp4", "mxfp4_mma", "fp8_block"))
 
 
+@pytest.mark.parametrize("M,E,topk,quant,direct", [
+    (1, 8, 2, "none", True),  # M = 1: always direct
+    (2, 512, 10, "none", True),  # qwen3-next-80b-a3b-tp2 M = 2: direct 26.0 against 27.7 us
+    (4, 512, 10, "none", False),  # M = 4: sorted 42.9 against 46.1
+    (2, 256, 8, "none", False),  # deepseek-v3-tp4 M = 2: sorted 93.1 against 98.2
+    (4, 128, 4, "none", False),  # gpt-oss-120b bf16 M = 4: sorted 184.6 against 186.8
+    (4, 128, 4, "mxfp4_mma", True),  # gpt-oss-120b MXFP4 M = 4: direct 88.7 against 93.2
+    (4, 256, 8, "fp8_block", True),
+])
+def test_use_direct_follows_the_measured_cells(M, E, topk, quant, direct):
+    """The schedule rule at the cells of benchmarks/results/ab_direct_vs_sorted_h200.txt (H200)."""
+    assert configs.use_direct(M, E, topk, quant) == direct
+    assert configs.heuristic_config(M, E, 1024, 2048, topk, torch.bfloat16, True, True, 132,
+                                    quant).path == ("direct" if direct else "sorted")
+
+
 def test_direct_heuristic_second_gemv_rows():
     """The second GEMV's tile spans the slots: with many slots (qwen3-next-80b-a3b-tp2: E 512, topk 10, N 256) it
     takes two output rows of half the reduction, never one row; wider tiles keep their shape (gpt-oss-120b)."""

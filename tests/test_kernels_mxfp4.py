@@ -467,7 +467,7 @@ def test_mxfp4_heuristic_configs(M, E, topk, K, N):
     """The heuristic for MXFP4 sanitizes to itself (no clamping needed) and keeps the format's rules."""
     for dtype in (torch.bfloat16, torch.float16):
         cfg = configs.heuristic_config(M, E, N, K, topk, dtype, True, True, 132, "mxfp4")
-        assert cfg.path == ("direct" if configs.use_direct(M, E, topk) else "sorted")
+        assert cfg.path == ("direct" if configs.use_direct(M, E, topk, "mxfp4") else "sorted")
         san = configs.sanitize(cfg, dtype, N, K, topk, quant="mxfp4")
         for g in (san.gemm1, san.gemm2):
             assert g.block_k >= 32 and not g.tma_weights and not g.persistent

@@ -174,7 +174,8 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1
     name, sms = _device_facts(device)
     per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row, quant), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
-    usable = [b for b, c in per_m.items() if not (c.path == "direct" and M > b and not use_direct(M, E, topk))]
+    usable = [b for b, c in per_m.items()
+              if not (c.path == "direct" and M > b and not use_direct(M, E, topk, quant))]
     cfg = per_m[_nearest_bucket(usable, M)] if usable else None
     if cfg is None or (cfg.path == "direct" and local_pairs is not None and quant in DOT_GEMV_QUANTS):
         # (the tuner's pairs are all local: a tensor-core GEMV entry's splits do not carry over to a shard's few)
@@ -188,11 +189,19 @@ def expected_hit_experts(P: int, E: int) -> float:
     return E * (1.0 - (1.0 - 1.0 / E) ** P) if P > 0 else 0.0
 
 
-def use_direct(M: int, E: int, topk: int) -> bool:
-    # NOTE: the direct path re-reads an expert's weights once per pair that hits it, so it pays only while
-    # pairs rarely share an expert (expected shared fraction ~ P / 2E <= 1/16 here); it saves the routing
-    # and slot-sum launches (~2 x 2-4 us, 10-20% of qwen3's 25 us floor at M = 1).
-    return M == 1 or M * topk * 8 <= E
+def use_direct(M: int, E: int, topk: int, quant: str = "none") -> bool:
+    """Whether a call of M tokens runs the direct schedule (no routing, a GEMV per pair) rather than the sorted one.
+    NOTE: the direct path re-reads an expert's weights once per pair that hits it, so it pays only while pairs
+    rarely share an expert (expected shared fraction ~ P / 2E); it saves the routing and slot-sum launches. With
+    the one-program sorted routing (2-4 us), 16-bit weights ran sorted faster from P = E / 16 on the H200
+    (deepseek-v3-tp4 M = 2, P 16 of E 256: 93.1 against 98.2 us; qwen3-next-80b-a3b-tp2 M = 4, P 40 of 512: 42.9
+    against 46.1) and direct faster below (qwen3-next M = 2, P 20: 26.0 against 27.7); the tensor-core GEMVs of MXFP4
+    in the MMA layout and fp8 block stay direct up to P = E / 8 (gpt-oss-120b MXFP4 M = 4, P 16 of 128: 88.7 against
+    93.2). benchmarks/results/ab_direct_vs_sorted_h200.txt: ``ab_fused_experts.py ... --other-schedule``."""
+    P = M * topk
+    if quant == "none":
+        return M == 1 or 16 * P < E
+    return M == 1 or 8 * P <= E
 
 
 def _pow2_floor(x: int) -> int:
@@ -206,7 +215,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     ``local_pairs`` as in ``get_config``."""
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
-    direct = use_direct(M, E, topk) if path is None else path == "direct"
+    direct = use_direct(M, E, topk, quant) if path is None else path == "direct"
     if quant in DOT_GEMV_QUANTS and direct:
         return dot_gemv_direct(P if local_pairs is None else max(1, local_pairs), N, K, num_sms, quant)
     if direct and quant not in DOT_GEMV_QUANTS:
