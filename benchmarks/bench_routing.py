@@ -6,7 +6,7 @@ The sorted schedule of ``fused_experts`` starts with this routing (expert-sorted
 experts), ``block_m`` 16 (the heuristic's blocks at these M), it times in one run:
 
 - ``ours``: ``route()`` as ``fused_experts`` launches it (PDL where the GPU has it): one program for
-  ``P = M * topk <= CHUNK`` pairs, three launches above;
+  ``P = M * topk <= SINGLE_PROGRAM_MAX_PAIRS`` pairs, three launches above;
 - ``three_launches``: the three-launch schedule forced (``single_program_max_pairs=0``), at every P;
 - ``launch``: one empty single-program kernel launch, the floor of any one-launch routing under replay.
 
@@ -31,7 +31,7 @@ from harness import RESULTS_DIR, device_info, gpu_slug, time_graph_budget_us, wr
 from model_zoo import ZOO  # noqa: E402
 
 from moe_extension.kernels._launch import grid_dependency, pdl_capable, pdl_options  # noqa: E402
-from moe_extension.kernels._routing import CHUNK, route  # noqa: E402
+from moe_extension.kernels._routing import SINGLE_PROGRAM_MAX_PAIRS, route  # noqa: E402
 
 # (E, topk) of the three benchmark models beside the zoo's
 BENCHMARK_MODELS = {"gpt-oss-120b": (128, 4), "qwen3-30b-a3b": (128, 8), "mixtral-8x7b": (8, 2)}
@@ -75,7 +75,7 @@ def main() -> None:
             three = time_graph_budget_us(
                 lambda i: route(sets[i % SETS], E, BLOCK_M, single_program_max_pairs=0, pdl=pdl), SETS)
             P = M * topk
-            rows.append({"layer": name, "E": E, "topk": topk, "M": M, "P": P, "one_program": P <= CHUNK,
+            rows.append({"layer": name, "E": E, "topk": topk, "M": M, "P": P, "one_program": P <= SINGLE_PROGRAM_MAX_PAIRS,
                          "ours_us": ours, "three_launches_us": three})
             print(f"{name:26s} {E:4d} {topk:4d} {M:5d} {P:5d} {ours:7.2f} {three:10.2f}", flush=True)
     payload = {**device_info(), "block_m": BLOCK_M, "pdl": pdl, "launch_us": launch_us,

@@ -135,7 +135,7 @@ def test_opcheck_fused_experts_mma():
 SORTED = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2))
 SORTED_TAIL = MoeConfig("sorted", 32, GemmConfig(128, 128, 8, 2, tail_m=16), GemmConfig(256, 128, 8, 2, tail_m=16))
 SORTED_SPLIT = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 2, group_m=0), GemmConfig(128, 128, 4, 2, split_k=2))
-# Blocks of 64 rows (the untransposed steps of dot_step) with tail tiles of 32 (transposed) in both GEMMs.
+# Blocks of 64 rows (the tuned tables' blocks at M 256-1024) with tail tiles of 32 rows in both GEMMs.
 SORTED_WIDE = MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 2, group_m=0, tail_m=32),
                         GemmConfig(128, 128, 4, 2, tail_m=32))
 # The direct schedule (``_gemv_dot``): whole reductions, and both reductions split (partials + last-program sum).

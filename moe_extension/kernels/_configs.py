@@ -195,9 +195,10 @@ def use_direct(M: int, E: int, topk: int, quant: str = "none") -> bool:
     rarely share an expert (expected shared fraction ~ P / 2E); it saves the routing and slot-sum launches. With
     the one-program sorted routing (2-4 us), 16-bit weights ran sorted faster from P = E / 16 on the H200
     (deepseek-v3-tp4 M = 2, P 16 of E 256: 93.1 against 98.2 us; qwen3-next-80b-a3b-tp2 M = 4, P 40 of 512: 42.9
-    against 46.1) and direct faster below (qwen3-next M = 2, P 20: 26.0 against 27.7); the tensor-core GEMVs of MXFP4
-    in the MMA layout and fp8 block stay direct up to P = E / 8 (gpt-oss-120b MXFP4 M = 4, P 16 of 128: 88.7 against
-    93.2). benchmarks/results/ab_direct_vs_sorted_h200.txt: ``ab_fused_experts.py ... --other-schedule``."""
+    against 46.1) and direct faster below (qwen3-next M = 2, P 20: 26.0 against 27.7). The other formats stay direct
+    up to P = E / 8: the tensor-core GEMVs of MXFP4 in the MMA layout measured so (gpt-oss-120b MXFP4 M = 4, P 16 of
+    128: 88.7 against 93.2); fp8 block and MXFP4 in the checkpoint layout not re-measured.
+    benchmarks/results/ab_direct_vs_sorted_h200.txt: ``ab_fused_experts.py ... --other-schedule``."""
     P = M * topk
     if quant == "none":
         return M == 1 or 16 * P < E
