@@ -274,17 +274,17 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     has_map = expert_map is not None
     map_arg = expert_map if has_map else topk_ids
     e_global = expert_map.numel() if has_map else E
-    # NOTE: the [BB, NB] owner comparison and the [EB, block_m] padding tile stay at 8 K elements.
-    BB = max(1, 8192 // NB)
-    EB = min(next_power_of_2(E), max(1, 8192 // block_m))
     ids_args = (topk_ids, topk_ids.stride(0), topk_ids.stride(1), map_arg, e_global, E, P, topk, int(has_map))
-    launch = pdl_options(pdl, num_warps=_NUM_WARPS)
     if P <= min(single_program_max_pairs, SINGLE_PROGRAM_MAX_PAIRS):
         PB = max(CHUNK, next_power_of_2(P))
         _route_single_kernel[(1,)](
             *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks, BLOCK_M=block_m, NB=NB, PB=PB,
             **pdl_options(pdl, num_warps=_NUM_WARPS if PB <= 256 else 2 * _NUM_WARPS))
         return routing
+    # NOTE: the [BB, NB] owner comparison and the [EB, block_m] padding tile stay at 8 K elements.
+    BB = max(1, 8192 // NB)
+    EB = min(next_power_of_2(E), max(1, 8192 // block_m))
+    launch = pdl_options(pdl, num_warps=_NUM_WARPS)
     num_chunks = cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
     _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, meta, NB=NB, CHUNK=CHUNK, **launch)
