@@ -308,6 +308,11 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     return MoeConfig("sorted", block_m, g1, g2)
 
 
+# Reduction steps of the second GEMM (N / block_k) up to which its 16-bit tiles at blocks of up to 64 rows run in 3
+# stages instead of 4 (``dense_sorted_tiles``).
+SHORT_REDUCTION_STEPS = 8
+
+
 def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
     """16-bit weights, sorted schedule: the tiles that the tuner picks on the H100 (``tune_fused_experts.py``: the
     table's entries for the three benchmark models and its runs on the zoo of ``bench_zoo.py``), as a rule of
@@ -319,7 +324,8 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
       weights and rows by TMA;
     - 64 rows: gemm1's weights by TMA in expert-major order, 128 columns (256 weight rows) for N >= 2048;
     - 128 rows: gemm1 128 columns (256 weight rows), weights by TMA in expert-major order, persistent (no tail
-      tiles); gemm2 256 output columns, weights by TMA, persistent.
+      tiles); gemm2 256 output columns, weights by TMA, persistent;
+    - up to 64 rows, gemm2 in 3 stages (4 elsewhere) where its reduction is short (``SHORT_REDUCTION_STEPS``).
 
     From 24 rows per expert on, blocks of 64 rows: at 32-40 rows an expert often spills into a second, small
     block of 32 that runs its weight tiles again. From 64 rows, blocks of 128, and gemm2 runs as the persistent
@@ -384,6 +390,18 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # false, "tail_m": 32}}'``, and so on). Its rows copied for TMA loads (tma_a) were slower.
         g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True, persistent=True, tail_m=0)
         g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
+    if block_m <= 64 and N <= SHORT_REDUCTION_STEPS * g2.block_k:
+        # NOTE: a short reduction (at most 8 steps) in 3 stages instead of 4: the stages' shared memory bounds the
+        # programs an SM holds, and in a reduction this short a program's loads overlap more with the other
+        # programs' epilogues than with its own later steps. H200, bf16, swigluoai, CUDA-graph medians of 3
+        # interleaved rounds, outputs bitwise equal, 3 against 4 stages: qwen3-next-80b-a3b-tp2 (N 256) M = 2048
+        # (blocks of 64) 488.4 against 524.2 us, M = 512 (blocks of 16) 415.8 against 432.9, M = 8 70.4 against
+        # 71.5; qwen3-235b-a22b-tp4 (N 384) M = 512 327.5 against 334.2; with the 22 steps of N = 1408 level
+        # (deepseek-v2-lite M = 512 299.9 against 300.6, qwen1.5-moe-a2.7b M = 512 277.5 against 276.1), so the
+        # rule stops at 8 (benchmarks/results/ab_gemm2_short_stages_h200.txt: ``python
+        # benchmarks/ab_fused_experts.py --model qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2":
+        # {"num_stages": 4}}'``, and so on).
+        g2 = dataclasses.replace(g2, num_stages=3)
     return g1, g2
 
 
