@@ -4,7 +4,8 @@ its peers and the hardware floor, in one run.
 Cells: the DeepSeek-V3 MoE layer (E 256, topk 8, K 7168, N 2048, silu; fp8 expert weights ~11 GB) and an
 expert-parallel shard of it (E_global 256 routed, 32 local experts through an ``expert_map``: the first 32 global
 ids), M tokens in {1, 16, 64, 256, 1024, 4096, 8192}, random routing (each token picks topk distinct experts
-uniformly among the 256, ``torch.rand(M, 256).topk``), bf16 hidden states. Timed by CUDA-graph replay (median per
+uniformly among the 256, ``torch.rand(M, 256).topk``; drawn from a generator seeded per cell, ``cell_seed``, so
+every run times the same inputs), bf16 hidden states. Timed by CUDA-graph replay (median per
 call, ``harness.time_graph_us``), every column from the same ``hidden_states``, ``topk_weights``, ``topk_ids``
 with all of its routing work and activation quantization included:
 
@@ -33,6 +34,7 @@ import argparse
 import math
 import statistics
 import sys
+import zlib
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -205,15 +207,21 @@ def main(argv=None) -> int:
     return 0
 
 
+def cell_seed(shape_name: str, m: int) -> int:
+    """The seed of one cell's inputs: the same hidden states and routings every run, whichever cells run with it."""
+    return zlib.crc32(f"{shape_name} M={m}".encode())
+
+
 def run_cell(torch, harness, rel_err, describe, impls, unavailable, shape_name, shape, m, expert_bytes, copy_bw,
              peak, reference, vllm_source) -> dict:
     """Check, then time, every column on one (shape, M) cell; returns its JSON row."""
     E, topk, K, N, local = shape["E"], shape["topk"], shape["K"], shape["N"], shape["local"]
+    gen = torch.Generator(device=DEVICE).manual_seed(cell_seed(shape_name, m))
     sets = []
     for _ in range(ROUTINGS):
-        x = torch.randn(m, K, dtype=torch.bfloat16, device=DEVICE)
-        ids = torch.rand(m, E, device=DEVICE).topk(topk, dim=1).indices.to(torch.int32)
-        sets.append((x, torch.randn(m, topk, device=DEVICE).softmax(dim=-1), ids))
+        x = torch.randn(m, K, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+        ids = torch.rand(m, E, device=DEVICE, generator=gen).topk(topk, dim=1).indices.to(torch.int32)
+        sets.append((x, torch.randn(m, topk, device=DEVICE, generator=gen).softmax(dim=-1), ids))
     hit = statistics.mean(int(torch.unique(s[2][s[2] < local]).numel()) for s in sets)
     pairs = statistics.mean(int((s[2] < local).sum()) for s in sets)
     nbytes = hit * expert_bytes + 2 * m * K * 2
@@ -257,10 +265,11 @@ def run_cell(torch, harness, rel_err, describe, impls, unavailable, shape_name, 
 
 def time_gemm1(torch, harness, w1, s1, topk, K, N, E, m) -> dict:
     """Our first GEMM alone (expert_gemm1, no activation: [M, topk, 2N] out) at M tokens, TFLOP/s."""
+    gen = torch.Generator(device=DEVICE).manual_seed(cell_seed("gemm1", m))
     sets = []
     for _ in range(4):
-        x = torch.randn(m, K, dtype=torch.bfloat16, device=DEVICE)
-        sets.append((x, torch.rand(m, E, device=DEVICE).topk(topk, dim=1).indices.to(torch.int32)))
+        x = torch.randn(m, K, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+        sets.append((x, torch.rand(m, E, device=DEVICE, generator=gen).topk(topk, dim=1).indices.to(torch.int32)))
     us = harness.time_graph_us(lambda i: torch.ops.moe_ext.expert_gemm1(
         sets[i % 4][0], w1, sets[i % 4][1], quant="fp8_block", w1_scale=s1))
     tflops = 2 * m * topk * K * 2 * N / (us * 1e-6) / 1e12

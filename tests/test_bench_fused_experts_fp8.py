@@ -44,6 +44,13 @@ def test_summary_counts_cells_and_targets():
     assert s["gemm1_TFLOPs"] == 412.0 and s["targets"]["gemm1_TFLOPs"] == bench.TARGET_GEMM1_TFLOPS
 
 
+def test_cell_seed_is_fixed_per_cell():
+    """Each cell draws its inputs from its own seed: the same every run, different between cells."""
+    assert bench.cell_seed("deepseek-v3", 16) == bench.cell_seed("deepseek-v3", 16)
+    seeds = {bench.cell_seed(s, m) for s in bench.SHAPES for m in bench.TOKENS}
+    assert len(seeds) == len(bench.SHAPES) * len(bench.TOKENS)
+
+
 def test_committed_result_is_consistent():
     """The committed H100 file: every cell of both shapes, ours timed everywhere, the summary recomputable from
     its rows, and the DeepGEMM route never faster than our Triton kernels (which is why the stored crossover

@@ -631,6 +631,28 @@ def test_dense_heuristic_tiles_by_block_m():
                                       q).gemm1.persistent for q in ("mxfp4", "mxfp4_mma", "fp8_block"))
 
 
+@pytest.mark.parametrize("M,N,quant,block_m,stages", [
+    (8, 256, "none", 16, 3),  # qwen3-next-80b-a3b-tp2 (E 512, topk 10): 2 steps of 128
+    (2048, 256, "none", 64, 3),  # 4 steps of 64
+    (2048, 384, "none", 64, 3),  # 6 steps of 64
+    (1024, 1024, "none", 32, 3),  # 8 steps of 128: the last short one
+    (2048, 1024, "none", 64, 4),  # 16 steps of 64
+    (8, 1408, "none", 16, 4),  # 11 steps of 128
+    (8192, 256, "none", 128, 3),  # blocks of 128: the persistent gemm2's own 3 stages
+    (8, 256, "fp8_block", 16, 3),
+    (512, 1024, "fp8_block", 16, 3),
+    (8, 2048, "fp8_block", 16, 4),  # DeepSeek-V3's N: 16 steps
+])
+def test_short_reduction_gemm2_stages(M, N, quant, block_m, stages):
+    """The second GEMM of blocks of up to 64 rows runs a reduction of at most SHORT_REDUCTION_STEPS steps in 3
+    stages, longer ones in 4 (16-bit weights and fp8 block; benchmarks/results/ab_gemm2_short_stages_h200.txt)."""
+    c = configs.sanitize(configs.heuristic_config(M, 512, N, 2048, 10, torch.bfloat16, True, True, 132, quant),
+                         torch.bfloat16, N, 2048, 10, quant=quant)
+    assert c.path == "sorted" and c.block_m == block_m
+    assert c.gemm2.num_stages == stages
+    assert configs.SHORT_REDUCTION_STEPS == 8
+
+
 @pytest.mark.parametrize("M,E,topk,quant,direct", [
     (1, 8, 2, "none", True),  # M = 1: always direct
     (2, 512, 10, "none", True),  # qwen3-next-80b-a3b-tp2 M = 2: direct 26.0 against 27.7 us

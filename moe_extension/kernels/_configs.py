@@ -209,6 +209,11 @@ def _pow2_floor(x: int) -> int:
     return 1 << max(0, int(x).bit_length() - 1)
 
 
+# Reduction steps of the second GEMM (N / block_k) up to which its tiles at blocks of up to 64 rows run in 3 stages
+# instead of 4 (16-bit weights: ``dense_sorted_tiles``; fp8 block: ``heuristic_config``).
+SHORT_REDUCTION_STEPS = 8
+
+
 def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
                      num_sms: int = 132, quant: str = "none", path: str | None = None,
                      local_pairs: int | None = None) -> MoeConfig:
@@ -290,8 +295,14 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # NOTE: blocks of 128 rows take 8 warps in both GEMMs: the tuner's pick for the DeepSeek-V3 layer at M = 8192
         # on the H100 (``python benchmarks/tune_fused_experts.py --quant fp8_block --tokens 8192``: 9860 us, gemm1
         # 8 warps 3 stages, gemm2 128 x 128 on 8 warps 4 stages).
-        g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=8 if block_m == 128 else 4, num_stages=4,
-                                 tma_weights=True, tma_a=block_m >= 64)
+        # NOTE: a short reduction (at most SHORT_REDUCTION_STEPS steps of 128) at blocks of up to 64 rows in 3 stages,
+        # as for 16-bit weights (``dense_sorted_tiles``): H200, silu, 3 against 4 stages at blocks of 16 rows,
+        # qwen3-next-80b-a3b-tp2 (N 256) M = 512 246.1 against 250.3 us, M = 8 49.0 against 49.3; qwen3-235b-a22b-tp4
+        # (N 384) M = 64 172.9 against 175.5; 2 stages slower than 4 in all three
+        # (benchmarks/results/ab_gemm2_short_stages_h200.txt, run 3).
+        short = block_m <= 64 and N <= SHORT_REDUCTION_STEPS * 128
+        g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=8 if block_m == 128 else 4,
+                                 num_stages=3 if short else 4, tma_weights=True, tma_a=block_m >= 64)
         if block_m == 128 and N <= 1024:
             # NOTE: a short reduction (N / 128 <= 8 steps per tile) in tiles of 64 of the block's 128 rows on 4 warps,
             # two programs to an SM whose loads overlap each other's epilogues, instead of one 8-warp program per SM
@@ -306,11 +317,6 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if quant == "mxfp4_mma":
         g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2, blocks, K, N, num_sms)
     return MoeConfig("sorted", block_m, g1, g2)
-
-
-# Reduction steps of the second GEMM (N / block_k) up to which its 16-bit tiles at blocks of up to 64 rows run in 3
-# stages instead of 4 (``dense_sorted_tiles``).
-SHORT_REDUCTION_STEPS = 8
 
 
 def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
@@ -395,12 +401,13 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # programs an SM holds, and in a reduction this short a program's loads overlap more with the other
         # programs' epilogues than with its own later steps. H200, bf16, swigluoai, CUDA-graph medians of 3
         # interleaved rounds, outputs bitwise equal, 3 against 4 stages: qwen3-next-80b-a3b-tp2 (N 256) M = 2048
-        # (blocks of 64) 488.4 against 524.2 us, M = 512 (blocks of 16) 415.8 against 432.9, M = 8 70.4 against
-        # 71.5; qwen3-235b-a22b-tp4 (N 384) M = 512 327.5 against 334.2; with the 22 steps of N = 1408 level
-        # (deepseek-v2-lite M = 512 299.9 against 300.6, qwen1.5-moe-a2.7b M = 512 277.5 against 276.1), so the
-        # rule stops at 8 (benchmarks/results/ab_gemm2_short_stages_h200.txt: ``python
-        # benchmarks/ab_fused_experts.py --model qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2":
-        # {"num_stages": 4}}'``, and so on).
+        # (blocks of 64) 475.5 against 512.7 us, M = 512 (blocks of 16) 411.5 against 429.5, M = 64 289.3 against
+        # 300.9, M = 8 69.5 against 70.9; qwen3-235b-a22b-tp4 (N 384) M = 512 318.6 against 326.5; deepseek-v3-tp4
+        # (N 512) M = 512 (blocks of 32) 1341.3 against 1352.9; qwen3-30b-a3b (N 768) M 16-256 within 0.2%; never
+        # slower in 13 cells. With the 22 steps of N = 1408 level (deepseek-v2-lite M = 512 299.9 against 300.6,
+        # qwen1.5-moe-a2.7b 277.5 against 276.1), so the rule stops at 8 steps
+        # (benchmarks/results/ab_gemm2_short_stages_h200.txt: ``python benchmarks/ab_fused_experts.py --model
+        # qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2": {"num_stages": 4}}'``, and so on).
         g2 = dataclasses.replace(g2, num_stages=3)
     return g1, g2
 
