@@ -297,9 +297,11 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # 8 warps 3 stages, gemm2 128 x 128 on 8 warps 4 stages).
         # NOTE: a short reduction (at most SHORT_REDUCTION_STEPS steps of 128) at blocks of up to 64 rows in 3 stages,
         # as for 16-bit weights (``dense_sorted_tiles``): H200, silu, 3 against 4 stages at blocks of 16 rows,
-        # qwen3-next-80b-a3b-tp2 (N 256) M = 512 246.1 against 250.3 us, M = 8 49.0 against 49.3; qwen3-235b-a22b-tp4
-        # (N 384) M = 64 172.9 against 175.5; 2 stages slower than 4 in all three
-        # (benchmarks/results/ab_gemm2_short_stages_h200.txt, run 3).
+        # qwen3-next-80b-a3b-tp2 (N 256) M = 512 245.0 against 249.9 us, M = 8 48.3 against 49.2; qwen3-235b-a22b-tp4
+        # (N 384) M = 64 172.1 against 175.4; 2 stages slower than 4 in all three
+        # (benchmarks/results/ab_gemm2_short_stages_h200.txt, runs 3 and 4: ``python benchmarks/ab_fused_experts.py
+        # --quant fp8_block --activation silu --model qwen3-next-80b-a3b-tp2 --tokens 512 --variant '{"gemm2":
+        # {"num_stages": 4}}'``).
         short = block_m <= 64 and N <= SHORT_REDUCTION_STEPS * 128
         g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=8 if block_m == 128 else 4,
                                  num_stages=3 if short else 4, tma_weights=True, tma_a=block_m >= 64)
