@@ -406,8 +406,9 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # (blocks of 64) 475.5 against 512.7 us, M = 512 (blocks of 16) 411.5 against 429.5, M = 64 289.3 against
         # 300.9, M = 8 69.5 against 70.9; qwen3-235b-a22b-tp4 (N 384) M = 512 318.6 against 326.5; deepseek-v3-tp4
         # (N 512) M = 512 (blocks of 32) 1341.3 against 1352.9; qwen3-30b-a3b (N 768) M 16-256 within 0.2%; never
-        # slower in 13 cells. With the 22 steps of N = 1408 level (deepseek-v2-lite M = 512 299.9 against 300.6,
-        # qwen1.5-moe-a2.7b 277.5 against 276.1), so the rule stops at 8 steps
+        # slower in 13 cells (2 to 6 steps). With the 22 steps of N = 1408 level (deepseek-v2-lite M = 512 299.9
+        # against 300.6, qwen1.5-moe-a2.7b 277.5 against 276.1); the bound of 8 steps is that of the other
+        # short-reduction rules here (nothing between 6 and 22 steps was measured)
         # (benchmarks/results/ab_gemm2_short_stages_h200.txt: ``python benchmarks/ab_fused_experts.py --model
         # qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2": {"num_stages": 4}}'``, and so on).
         g2 = dataclasses.replace(g2, num_stages=3)
