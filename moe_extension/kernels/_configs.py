@@ -214,6 +214,12 @@ def _pow2_floor(x: int) -> int:
 SHORT_REDUCTION_STEPS = 8
 
 
+def _short_gemm2_stages(block_m: int, N: int, block_k: int, stages: int) -> int:
+    """gemm2's pipeline stages: 3 for a short reduction (at most SHORT_REDUCTION_STEPS steps of block_k) at blocks
+    of up to 64 rows, else ``stages`` (see the NOTEs where the two formats call it)."""
+    return 3 if block_m <= 64 and N <= SHORT_REDUCTION_STEPS * block_k else stages
+
+
 def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1_row: bool, w2_row: bool,
                      num_sms: int = 132, quant: str = "none", path: str | None = None,
                      local_pairs: int | None = None) -> MoeConfig:
@@ -302,9 +308,9 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # (benchmarks/results/ab_gemm2_short_stages_h200.txt, runs 3 and 4: ``python benchmarks/ab_fused_experts.py
         # --quant fp8_block --activation silu --model qwen3-next-80b-a3b-tp2 --tokens 512 --variant '{"gemm2":
         # {"num_stages": 4}}'``).
-        short = block_m <= 64 and N <= SHORT_REDUCTION_STEPS * 128
         g2 = dataclasses.replace(g2, block_n=128, block_k=128, num_warps=8 if block_m == 128 else 4,
-                                 num_stages=3 if short else 4, tma_weights=True, tma_a=block_m >= 64)
+                                 num_stages=_short_gemm2_stages(block_m, N, 128, 4), tma_weights=True,
+                                 tma_a=block_m >= 64)
         if block_m == 128 and N <= 1024:
             # NOTE: a short reduction (N / 128 <= 8 steps per tile) in tiles of 64 of the block's 128 rows on 4 warps,
             # two programs to an SM whose loads overlap each other's epilogues, instead of one 8-warp program per SM
@@ -398,20 +404,19 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # false, "tail_m": 32}}'``, and so on). Its rows copied for TMA loads (tma_a) were slower.
         g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True, persistent=True, tail_m=0)
         g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
-    if block_m <= 64 and N <= SHORT_REDUCTION_STEPS * g2.block_k:
-        # NOTE: a short reduction (at most 8 steps) in 3 stages instead of 4: the stages' shared memory bounds the
-        # programs an SM holds, and in a reduction this short a program's loads overlap more with the other
-        # programs' epilogues than with its own later steps. H200, bf16, swigluoai, CUDA-graph medians of 3
-        # interleaved rounds, outputs bitwise equal, 3 against 4 stages: qwen3-next-80b-a3b-tp2 (N 256) M = 2048
-        # (blocks of 64) 475.5 against 512.7 us, M = 512 (blocks of 16) 411.5 against 429.5, M = 64 289.3 against
-        # 300.9, M = 8 69.5 against 70.9; qwen3-235b-a22b-tp4 (N 384) M = 512 318.6 against 326.5; deepseek-v3-tp4
-        # (N 512) M = 512 (blocks of 32) 1341.3 against 1352.9; qwen3-30b-a3b (N 768) M 16-256 within 0.2%; never
-        # slower in 13 cells (2 to 6 steps). With the 22 steps of N = 1408 level (deepseek-v2-lite M = 512 299.9
-        # against 300.6, qwen1.5-moe-a2.7b 277.5 against 276.1); the bound of 8 steps is that of the other
-        # short-reduction rules here (nothing between 6 and 22 steps was measured)
-        # (benchmarks/results/ab_gemm2_short_stages_h200.txt: ``python benchmarks/ab_fused_experts.py --model
-        # qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2": {"num_stages": 4}}'``, and so on).
-        g2 = dataclasses.replace(g2, num_stages=3)
+    # NOTE: a short reduction (at most 8 steps) in 3 stages instead of 4: the stages' shared memory bounds the
+    # programs an SM holds, and in a reduction this short a program's loads overlap more with the other
+    # programs' epilogues than with its own later steps. H200, bf16, swigluoai, CUDA-graph medians of 3
+    # interleaved rounds, outputs bitwise equal, 3 against 4 stages: qwen3-next-80b-a3b-tp2 (N 256) M = 2048
+    # (blocks of 64) 475.5 against 512.7 us, M = 512 (blocks of 16) 411.5 against 429.5, M = 64 289.3 against
+    # 300.9, M = 8 69.5 against 70.9; qwen3-235b-a22b-tp4 (N 384) M = 512 318.6 against 326.5; deepseek-v3-tp4
+    # (N 512) M = 512 (blocks of 32) 1341.3 against 1352.9; qwen3-30b-a3b (N 768) M 16-256 within 0.2%; never
+    # slower in 13 cells (2 to 6 steps). With the 22 steps of N = 1408 level (deepseek-v2-lite M = 512 299.9
+    # against 300.6, qwen1.5-moe-a2.7b 277.5 against 276.1); the bound of 8 steps is that of the other
+    # short-reduction rules here (nothing between 6 and 22 steps was measured)
+    # (benchmarks/results/ab_gemm2_short_stages_h200.txt: ``python benchmarks/ab_fused_experts.py --model
+    # qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2": {"num_stages": 4}}'``, and so on).
+    g2 = dataclasses.replace(g2, num_stages=_short_gemm2_stages(block_m, N, g2.block_k, g2.num_stages))
     return g1, g2
 
 
