@@ -21,7 +21,8 @@ non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_
 Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one launch: decode and
 small batches; the pairs put in order by one sort of (expert, pair) keys), otherwise three launches: per-chunk
 histograms; per-expert prefixes over the chunks (NB / 16 programs, independent columns); per-chunk scatter, whose
-programs also write the plan (padded starts, the block -> expert map, the padding), each a share of it.
+pairs also write the plan: each the owner of its block, an expert's last pair the padding of its last block (the
+padded starts from program 0, the -1 of the unused blocks a share per program).
 """
 
 from __future__ import annotations
@@ -105,36 +106,9 @@ def _rank_in_chunk(e, valid, CHUNK: tl.constexpr):
 
 @triton.jit
 def _padded_starts(counts, BLOCK_M: tl.constexpr):
-    """Per-expert padded group starts, block ends and total blocks from the counts [NB]."""
+    """Per-expert padded group starts and the total of blocks from the counts [NB]."""
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
-    bend = tl.cumsum(nblk, axis=0)
-    return (bend - nblk) * BLOCK_M, bend, tl.sum(nblk, axis=0)
-
-
-@triton.jit
-def _write_block_experts(bend, total_blocks, block_expert_ptr, b_lo, b_hi, BB: tl.constexpr):
-    """block_expert[b] for b in [b_lo, b_hi): the owner of block b, -1 past the used blocks."""
-    # Block b belongs to the expert whose block range [bend - nblk, bend) holds it, i.e. to the number of
-    # experts whose range ends at or before b (empty experts end where the next one starts).
-    for b0 in range(b_lo, b_hi, BB):
-        b = b0 + tl.arange(0, BB)
-        owner = tl.sum((bend[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(b < total_blocks, owner, -1), mask=b < b_hi)
-
-
-@triton.jit
-def _write_padding(counts, starts, sorted_ptr, P, e_lo, e_hi, BLOCK_M: tl.constexpr, EB: tl.constexpr):
-    """The sentinel P in the padding rows [start + count, padded end) of the experts in [e_lo, e_hi)."""
-    r = tl.arange(0, BLOCK_M)
-    for e0 in range(e_lo, e_hi, EB):
-        ex = e0 + tl.arange(0, EB)
-        ok = ex < e_hi
-        c = tl.gather(counts, tl.where(ok, ex, 0), 0)
-        s = tl.gather(starts, tl.where(ok, ex, 0), 0)
-        pad_end = ((c + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-        slot = c[:, None] + r[None, :]
-        tl.store(sorted_ptr + s[:, None] + slot, tl.full([EB, BLOCK_M], 0, tl.int32) + P,
-                 mask=ok[:, None] & (slot < pad_end[:, None]))
+    return (tl.cumsum(nblk, axis=0) - nblk) * BLOCK_M, tl.sum(nblk, axis=0)
 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
@@ -216,32 +190,42 @@ def _route_prefix_kernel(chunk_counts_ptr, num_chunks, meta_ptr, NB: tl.constexp
 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks",
-                               "blocks_per_program", "experts_per_program"])
+                               "blocks_per_program"])
 def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
                           sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, blocks_per_program,
-                          experts_per_program, BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
-                          BB: tl.constexpr, EB: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Per chunk: position = padded expert start + pairs of the expert in earlier chunks + rank inside the
-    chunk. Each program also writes its share of the plan: program 0 the padded starts, every program the
-    block -> expert map of blocks_per_program blocks and the padding of experts_per_program experts."""
-    grid_dependency(PDL)
+    chunk. The plan comes with the pairs: each valid pair stores its expert as the owner of its block (a used
+    block holds a valid pair; pairs of one block store the same value), an expert's last pair fills the rest of
+    its last block with the sentinel, program 0 stores the padded starts, and each program marks its share
+    (blocks_per_program) of the blocks past the used ones with -1.
+    PDL: the ids (the call's input, which the count kernel two launches back read after its own wait) are read
+    and ranked before the wait for the prefix kernel."""
     c = tl.program_id(0)
-    counts = tl.load(meta_ptr + tl.arange(0, NB))
-    starts, bend, total_blocks = _padded_starts(counts, BLOCK_M)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    rank = _rank_in_chunk(e, valid, CHUNK)
+    grid_dependency(PDL)
+    counts = tl.load(meta_ptr + tl.arange(0, NB))
+    starts, total_blocks = _padded_starts(counts, BLOCK_M)
     e_safe = tl.where(valid, e, 0)
-    base = tl.gather(starts, e_safe, 0) + tl.load(chunk_counts_ptr + c * NB + e_safe)
-    pos = base + _rank_in_chunk(e, valid, CHUNK)
+    start_e = tl.gather(starts, e_safe, 0)
+    pos = start_e + tl.load(chunk_counts_ptr + c * NB + e_safe) + rank
     tl.store(sorted_ptr + pos, p, mask=valid)
     tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
+    tl.store(block_expert_ptr + pos // BLOCK_M, e, mask=valid)
+    count_e = tl.gather(counts, e_safe, 0)
+    last = valid & (pos == start_e + count_e - 1)
+    pad_end = start_e + ((count_e + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    rows = pos[:, None] + 1 + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + rows, tl.full([CHUNK, BLOCK_M], 0, tl.int32) + P,
+             mask=last[:, None] & (rows < pad_end[:, None]))
     if c == 0:
         tl.store(meta_ptr + NB + tl.arange(0, NB), starts)
-    b_lo = c * blocks_per_program
-    _write_block_experts(bend, total_blocks, block_expert_ptr, b_lo, tl.minimum(b_lo + blocks_per_program, max_blocks),
-                         BB)
-    e_lo = c * experts_per_program
-    _write_padding(counts, starts, sorted_ptr, P, e_lo, tl.minimum(e_lo + experts_per_program, E), BLOCK_M, EB)
+    b_hi = tl.minimum((c + 1) * blocks_per_program, max_blocks)
+    for b0 in range(tl.maximum(c * blocks_per_program, total_blocks), b_hi, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < b_hi)
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
@@ -281,9 +265,6 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
             *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks, BLOCK_M=block_m, NB=NB, PB=PB,
             **pdl_options(pdl, num_warps=_NUM_WARPS if PB <= 256 else 2 * _NUM_WARPS))
         return routing
-    # NOTE: the [BB, NB] owner comparison and the [EB, block_m] padding tile stay at 8 K elements.
-    BB = max(1, 8192 // NB)
-    EB = min(next_power_of_2(E), max(1, 8192 // block_m))
     launch = pdl_options(pdl, num_warps=_NUM_WARPS)
     num_chunks = cdiv(P, CHUNK)
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
@@ -292,7 +273,6 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
         chunk_counts, num_chunks, meta, NB=NB, EC=PREFIX_EXPERTS,
         CB=min(next_power_of_2(num_chunks), prefix_rows), **launch)
     _route_scatter_kernel[(num_chunks,)](
-        *ids_args, chunk_counts, sorted_pairs, block_expert, inverse, meta, max_blocks,
-        cdiv(max_blocks, num_chunks), cdiv(E, num_chunks),
-        BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, BB=BB, EB=EB, **launch)
+        *ids_args, chunk_counts, sorted_pairs, block_expert, inverse, meta, max_blocks, cdiv(max_blocks, num_chunks),
+        BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, **launch)
     return routing
