@@ -21,8 +21,8 @@ non-empty padded blocks, because ``sum_e ceil(c_e / block_m) <= floor(P / block_
 Two schedules: one program does everything for ``P <= SINGLE_PROGRAM_MAX_PAIRS`` (one launch: decode and
 small batches; the pairs put in order by one sort of (expert, pair) keys), otherwise three launches: per-chunk
 histograms; per-expert prefixes over the chunks (NB / 16 programs, independent columns); per-chunk scatter, whose
-pairs also write the plan: each the owner of its block, an expert's last pair the padding of its last block (the
-padded starts from program 0, the -1 of the unused blocks a share per program).
+pairs also write the block -> expert map (each valid pair the owner of its block), its programs the rest of the plan
+(padded starts, the padding, the -1 of the unused blocks), each a share of it.
 """
 
 from __future__ import annotations
@@ -111,6 +111,21 @@ def _padded_starts(counts, BLOCK_M: tl.constexpr):
     return (tl.cumsum(nblk, axis=0) - nblk) * BLOCK_M, tl.sum(nblk, axis=0)
 
 
+@triton.jit
+def _write_padding(counts, starts, sorted_ptr, P, e_lo, e_hi, BLOCK_M: tl.constexpr, EB: tl.constexpr):
+    """The sentinel P in the padding rows [start + count, padded end) of the experts in [e_lo, e_hi)."""
+    r = tl.arange(0, BLOCK_M)
+    for e0 in range(e_lo, e_hi, EB):
+        ex = e0 + tl.arange(0, EB)
+        ok = ex < e_hi
+        c = tl.gather(counts, tl.where(ok, ex, 0), 0)
+        s = tl.gather(starts, tl.where(ok, ex, 0), 0)
+        pad_end = ((c + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        slot = c[:, None] + r[None, :]
+        tl.store(sorted_ptr + s[:, None] + slot, tl.full([EB, BLOCK_M], 0, tl.int32) + P,
+                 mask=ok[:, None] & (slot < pad_end[:, None]))
+
+
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
 def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map,
                          sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, BLOCK_M: tl.constexpr,
@@ -190,15 +205,16 @@ def _route_prefix_kernel(chunk_counts_ptr, num_chunks, meta_ptr, NB: tl.constexp
 
 
 @triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks",
-                               "blocks_per_program"])
+                               "blocks_per_program", "experts_per_program"])
 def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
                           sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, blocks_per_program,
-                          BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                          experts_per_program, BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr,
+                          EB: tl.constexpr, PDL: tl.constexpr):
     """Per chunk: position = padded expert start + pairs of the expert in earlier chunks + rank inside the
-    chunk. The plan comes with the pairs: each valid pair stores its expert as the owner of its block (a used
-    block holds a valid pair; pairs of one block store the same value), an expert's last pair fills the rest of
-    its last block with the sentinel, program 0 stores the padded starts, and each program marks its share
-    (blocks_per_program) of the blocks past the used ones with -1.
+    chunk. Each valid pair also stores its expert as the owner of its block (a used block holds a valid pair;
+    pairs of one block store the same value); program 0 stores the padded starts, and each program writes its
+    share of the rest of the plan: the padding of experts_per_program experts and the -1 of its share
+    (blocks_per_program) of the blocks past the used ones.
     PDL: the ids (the call's input, which the count kernel two launches back read after its own wait) are read
     and ranked before the wait for the prefix kernel."""
     c = tl.program_id(0)
@@ -214,12 +230,8 @@ def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P
     tl.store(sorted_ptr + pos, p, mask=valid)
     tl.store(inverse_ptr + p, tl.where(valid, pos, -1), mask=p < P)
     tl.store(block_expert_ptr + pos // BLOCK_M, e, mask=valid)
-    count_e = tl.gather(counts, e_safe, 0)
-    last = valid & (pos == start_e + count_e - 1)
-    pad_end = start_e + ((count_e + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-    rows = pos[:, None] + 1 + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_ptr + rows, tl.full([CHUNK, BLOCK_M], 0, tl.int32) + P,
-             mask=last[:, None] & (rows < pad_end[:, None]))
+    e_lo = c * experts_per_program
+    _write_padding(counts, starts, sorted_ptr, P, e_lo, tl.minimum(e_lo + experts_per_program, E), BLOCK_M, EB)
     if c == 0:
         tl.store(meta_ptr + NB + tl.arange(0, NB), starts)
     b_hi = tl.minimum((c + 1) * blocks_per_program, max_blocks)
@@ -267,6 +279,9 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
         return routing
     launch = pdl_options(pdl, num_warps=_NUM_WARPS)
     num_chunks = cdiv(P, CHUNK)
+    # the padding tile of a scatter program: its experts (up to 8 K elements a step)
+    experts_per_program = cdiv(E, num_chunks)
+    EB = min(next_power_of_2(experts_per_program), max(1, 8192 // block_m))
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
     _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, meta, NB=NB, CHUNK=CHUNK, **launch)
     _route_prefix_kernel[(NB // PREFIX_EXPERTS,)](
@@ -274,5 +289,5 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
         CB=min(next_power_of_2(num_chunks), prefix_rows), **launch)
     _route_scatter_kernel[(num_chunks,)](
         *ids_args, chunk_counts, sorted_pairs, block_expert, inverse, meta, max_blocks, cdiv(max_blocks, num_chunks),
-        BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, **launch)
+        experts_per_program, BLOCK_M=block_m, NB=NB, CHUNK=CHUNK, EB=EB, **launch)
     return routing
