@@ -87,8 +87,8 @@ def test_route_matches_host(device, M, topk, E, block_m, id_dtype, with_map, sin
 
 @pytest.mark.parametrize("device", GPU_DEVICES)
 @pytest.mark.parametrize("M,topk,E,block_m,prefix_rows", [
-    (100, 8, 512, 16, 2),  # 7 chunks, prefix in 4 steps; each scatter program pads 74 experts and marks 80 of the
-    # 562 blocks (most unused: -1)
+    (100, 8, 512, 16, 2),  # 7 chunks, prefix in 4 steps; each scatter program pads 74 experts and has 81 of the
+    # 562 blocks to mark -1 where unused
     (333, 3, 3, 32, 4),  # 8 chunks, 2 steps; 3 experts for 8 programs: some pad none
 ])
 def test_route_prefix_steps_and_plan_shares(device, M, topk, E, block_m, prefix_rows):
