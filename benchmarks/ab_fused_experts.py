@@ -17,6 +17,9 @@ launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
+``--routing-from FILE`` adds the table config with the device routing of another version of
+``moe_extension/kernels/_routing.py`` (``git show REV:moe_extension/kernels/_routing.py > FILE``): its ``route``
+swapped in for the call, as the PDL options above swap launchers.
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
 bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
 random routing over all E, so most slots are elsewhere); triton_kernels is timed on bf16 weights of all E only.
@@ -62,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
+    p.add_argument("--routing-from", default=None, metavar="FILE",
+                   help="also time the table config with the route() of this copy of kernels/_routing.py")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
                    help="what to time (default: the whole op)")
     p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
@@ -69,8 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local-experts", type=int, default=None, metavar="L",
                    help="only the first L of the model's E experts here, through an expert_map")
     args = p.parse_args(argv)
-    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl):
-        p.error("--no-pdl, --persistent-pdl and --direct-pdl time fused_experts only")
+    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from):
+        p.error("--no-pdl, --persistent-pdl, --direct-pdl and --routing-from time fused_experts only")
+    if args.routing_from is not None and not Path(args.routing_from).is_file():
+        p.error(f"--routing-from: no file {args.routing_from}")
     if args.local_experts is not None and args.local_experts < 1:
         p.error("--local-experts takes a positive count")
     return args
@@ -97,6 +104,16 @@ def cell_weights(model: str, quant: str, local: int | None):
         expert_map = torch.full((E,), -1, dtype=torch.int32, device=T.DEVICE)
         expert_map[:L] = torch.arange(L, dtype=torch.int32, device=T.DEVICE)
     return w1, w2, expert_map
+
+
+def load_module(path: str):
+    """The Python module in the file ``path`` (another version of one of ours, for a side-by-side A/B)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def apply(cfg, variant: dict):
@@ -197,6 +214,19 @@ def main(argv=None) -> int:
                 fe._gemv1, fe._gemv2 = launch_gemvs
 
         runs["table, direct GEMVs PDL"] = direct_pdl
+    if args.routing_from:
+        other_route = load_module(args.routing_from).route
+        own_route = fe.route
+
+        def other_routing(i):
+            # the other version's route() for this call only (captured with the call, as above)
+            fe.route = other_route
+            try:
+                return call(table, i)
+            finally:
+                fe.route = own_route
+
+        runs["table, routing from " + Path(args.routing_from).name] = other_routing
     if (tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts" and args.quant == "none"
             and args.local_experts is None):
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],
@@ -210,8 +240,8 @@ def main(argv=None) -> int:
         same = torch.equal(runs[name](0), ref)
         print(f"  {name:14s} {c.path} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}")
-    for name in ("table, no PDL", "table, persistent gemm2 PDL", "table, direct GEMVs PDL"):
-        if name in runs:
+    for name in runs:
+        if name.startswith("table, "):
             print(f"  {name}  bitwise equal to table: {torch.equal(runs[name](0), ref)}")
     times = {name: [] for name in runs}
     for _ in range(args.rounds):

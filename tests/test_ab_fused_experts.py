@@ -68,3 +68,22 @@ def test_cell_weights_of_a_shard(monkeypatch):
     assert expert_map.tolist() == [0, 1, 2] + [-1] * 61
     w1, w2, expert_map = ab_fused_experts.cell_weights("deepseek-v2-lite", "none", None)
     assert (w1.shape, w2.shape, w1.dtype, expert_map) == ((64, 2816, 2048), (64, 2048, 1408), torch.bfloat16, None)
+
+
+def test_routing_from_option(tmp_path):
+    routing_py = Path(__file__).resolve().parent.parent / "moe_extension" / "kernels" / "_routing.py"
+    args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", "--routing-from",
+                                        str(routing_py)])
+    assert args.routing_from == str(routing_py)
+    for bad in (["--routing-from", str(tmp_path / "missing.py")],
+                ["--routing-from", str(routing_py), "--op", "expert_gemm2"]):
+        with pytest.raises(SystemExit):
+            ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "64", *bad])
+    # the file's own module (the kernels compiled from it), not the installed one
+    from moe_extension.kernels import _routing
+
+    copy = tmp_path / "other_routing.py"
+    copy.write_text(routing_py.read_text().replace("SINGLE_PROGRAM_MAX_PAIRS = 512", "SINGLE_PROGRAM_MAX_PAIRS = 7"))
+    other = ab_fused_experts.load_module(str(copy))
+    assert other.SINGLE_PROGRAM_MAX_PAIRS == 7 and _routing.SINGLE_PROGRAM_MAX_PAIRS == 512
+    assert other.route is not _routing.route and other.route.__module__ == "other_routing"

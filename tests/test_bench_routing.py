@@ -27,3 +27,23 @@ def test_refuses_without_cuda(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_routing.py"])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         bench_routing.main()
+
+
+def test_block_m_follows_the_heuristic():
+    assert bench_routing.block_m_for(1, 128, 4) == 16  # the direct schedule: no routing of its own
+    assert bench_routing.block_m_for(64, 128, 8) == 16  # 4 rows per expert
+    assert bench_routing.block_m_for(2048, 512, 10) == 64  # 40 rows per expert
+    assert bench_routing.block_m_for(8192, 64, 8) == 128
+
+
+def test_same_routing_ignores_unwritten_rows_only():
+    from moe_extension.kernels._routing import Routing
+
+    def routing(sorted_pairs, block_expert):
+        t = torch.tensor
+        return Routing(t(sorted_pairs), t(block_expert), t([0, 1, -1]), t([2, 0]), t([0, 4]), 2, 3, t([0, 0]))
+
+    a = routing([0, 1, 3, 3, 9, 9], [0, -1, -1])
+    assert bench_routing.same_routing(a, routing([0, 1, 3, 3, 7, 7], [0, -1, -1]))  # past the used block
+    assert not bench_routing.same_routing(a, routing([1, 0, 3, 3, 9, 9], [0, -1, -1]))
+    assert not bench_routing.same_routing(a, routing([0, 1, 3, 3, 9, 9], [0, 0, -1]))
