@@ -106,16 +106,6 @@ def cell_weights(model: str, quant: str, local: int | None):
     return w1, w2, expert_map
 
 
-def load_module(path: str):
-    """The Python module in the file ``path`` (another version of one of ours, for a side-by-side A/B)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def apply(cfg, variant: dict):
     """cfg with the overrides of ``variant`` (block_m, gemm1 / gemm2 fields)."""
     changes = {k: v for k, v in variant.items() if k not in ("gemm1", "gemm2")}
@@ -215,6 +205,8 @@ def main(argv=None) -> int:
 
         runs["table, direct GEMVs PDL"] = direct_pdl
     if args.routing_from:
+        from harness import load_module
+
         other_route = load_module(args.routing_from).route
         own_route = fe.route
 

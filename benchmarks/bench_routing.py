@@ -33,10 +33,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS_DIR, device_info, gpu_slug, time_graph_budget_us, write_json  # noqa: E402
+from harness import RESULTS_DIR, device_info, gpu_slug, load_module, time_graph_budget_us, write_json  # noqa: E402
 from model_zoo import ZOO  # noqa: E402
-
-from ab_fused_experts import load_module  # noqa: E402
 
 from moe_extension.kernels._configs import heuristic_config  # noqa: E402
 from moe_extension.kernels._launch import grid_dependency, pdl_capable, pdl_options  # noqa: E402

@@ -7,6 +7,7 @@
   ``time_graph_budget_us(fn, n_sets)``: the same with ``reps`` sized to a time budget per replay.
 - ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
 - ``device_info()``: the device/torch/triton fields every results file carries at its top level.
+- ``load_module(path)``: the Python module in a file (another version of one of ours, for a side-by-side A/B).
 - ``random_mxfp4_stack(e, rows, cols, device)``: random MXFP4 expert weights, quantized a few experts at a time.
 
 CUDA only: every benchmark here is meant for the GPU machine.
@@ -116,6 +117,17 @@ def device_info(command: str | None = None) -> dict:
         "triton": triton.__version__,
         "command": command if command is not None else "python " + " ".join(sys.argv),
     }
+
+
+def load_module(path: str | Path):
+    """The Python module in the file ``path`` (another version of one of ours, for a side-by-side A/B: its Triton
+    kernels compile from that file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_json(name: str, payload: dict, out_dir: str | Path = RESULTS_DIR) -> Path:
