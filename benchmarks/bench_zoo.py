@@ -4,8 +4,9 @@
 For each shape of ``model_zoo.ZOO`` (14 models: E 8 to 512, topk 1 to 10, N 256 to 14336, tensor-parallel and
 expert-parallel shards; sources listed there) and M tokens in {1, 8, 64, 512, 2048, 8192}, on random routing
 (every token picks topk distinct experts of E_global uniformly, ``torch.rand(M, E_global).topk``), it times by
-CUDA-graph replay (median per call; each replay runs ~25 ms of calls, 5 replays:
-``harness.time_graph_budget_us``):
+CUDA-graph replay: each column captured once (~25 ms of calls per graph), then 5 interleaved rounds that replay
+every column's graph once (``harness.time_interleaved_us``); a column's time is the median of its rounds' times
+per call, and the row keeps the rounds (``rounds_us``):
 
 - ``ours``: ``torch.ops.moe_ext.fused_experts`` as users call it (default backend; the tuned table entry where
   this device's table has the shape, else the heuristic);
@@ -56,6 +57,7 @@ IMPLS = ("ours", "ours_heuristic", "vllm", "vllm_gemms", "triton_kernels", "grou
 PEERS = ("vllm", "vllm_gemms", "triton_kernels", "grouped_mm")
 TARGET_GEOMEAN, TARGET_MAX, TARGET_HEURISTIC = 1.15, 1.6, 1.07
 ROUTINGS = 4  # input sets rotated per cell (different routings touch different experts)
+ROUNDS = 5  # interleaved rounds per cell (harness.time_interleaved_us)
 DEVICE = "cuda"
 
 
@@ -149,32 +151,41 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
         }
         x, g, ids = sets[0]
         reference = torch.ops.moe_ext.fused_experts(x, w1, w2, g, ids, act, expert_map=emap, backend="torch")
+        timed = {}
         for name, fn in impls.items():
             row[f"{name}_us"] = row[f"{name}_rel_err"] = None
             reason = peers["unavailable"].get(name)
             if name == "grouped_mm" and emap is not None:
                 reason = "takes valid ids only (no expert_map)"
-            if name == "ours_heuristic" and row["heuristic_is_table"]:
-                row["ours_heuristic_us"] = row["ours_us"]  # the same config: the same number
-                continue
-            if reason is not None:
+            if reason is not None or (name == "ours_heuristic" and row["heuristic_is_table"]):
                 continue
             try:
                 # vllm_gemms runs vllm's launches and configs (checked as vllm) on prepared inputs: not checked again
                 if name != "vllm_gemms":
-                    out = fn(0)
-                    err = rel_err(out, reference)
+                    err = rel_err(fn(0), reference)
                     row[f"{name}_rel_err"] = err
                     if not err <= TOLERANCE:
                         row["failures"][name] = f"FAILED check: rel err {err:.2e} > {TOLERANCE:g}; not timed"
                         continue
-                row[f"{name}_us"] = harness.time_graph_budget_us(fn, ROUTINGS)
+                timed[name] = fn
             except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
-                row["failures"][name] = f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+                row["failures"][name] = _describe(exc)
             torch.cuda.synchronize()
+        rounds, errors = harness.time_interleaved_us(timed, ROUTINGS, ROUNDS)
+        row["rounds_us"] = rounds
+        for name, v in rounds.items():
+            row[f"{name}_us"] = statistics.median(v)
+        for name, exc in errors.items():
+            row["failures"][name] = _describe(exc)
+        if row["heuristic_is_table"]:
+            row["ours_heuristic_us"] = row["ours_us"]  # the same config: the same number
         print_row(row)
         rows.append(row)
     return rows
+
+
+def _describe(exc: Exception) -> str:
+    return f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
 
 
 def _ratio(row, name) -> str:
@@ -270,7 +281,8 @@ def write_result(harness, info, args, peers, copy_bw, gemm_peak, rows) -> Path:
                             "grouped_mm": "torch._grouped_mm pipeline (bench_fused_experts.grouped_mm_pipeline)"},
                    routing="random: each token picks topk distinct experts of E_global uniformly; router weights "
                            "softmax of randn over the chosen; rotated among input sets",
-                   timing="CUDA-graph replay median per call, ~25 ms of calls per replay, 5 replays",
+                   timing="CUDA-graph replay per call, ~25 ms of calls per graph; median of 5 interleaved rounds, "
+                          "each replaying every column's graph once (harness.time_interleaved_us; rows: rounds_us)",
                    floor="max(bytes / copy_BW, flops / gemm_peak); bytes = local experts hit + x + out; flops = "
                          "2 valid pairs 3 N K",
                    unavailable=peers["unavailable"], summary=summarize(rows), rows=rows)

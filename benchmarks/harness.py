@@ -4,7 +4,9 @@
 - ``gemm_peak(dtype)``: dense matmul rate in FLOP/s for an 8192^3 product of random data.
 - ``time_graph_us(fn)``: median time of one call of ``fn`` in microseconds, measured by replaying a
   CUDA graph that holds ``reps`` calls of it (launch gaps shrink to what a captured decode loop sees);
-  ``time_graph_budget_us(fn, n_sets)``: the same with ``reps`` sized to a time budget per replay.
+  ``time_graph_budget_us(fn, n_sets)``: the same with ``reps`` sized to a time budget per replay;
+  ``time_interleaved_us(fns, n_sets)``: several implementations of one cell, each captured once as
+  ``time_graph_budget_us`` sizes it, then timed in interleaved rounds (what comparisons between them use).
 - ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
 - ``device_info()``: the device/torch/triton fields every results file carries at its top level.
 - ``load_module(path)``: the Python module in a file (another version of one of ours, for a side-by-side A/B).
@@ -60,11 +62,8 @@ def gemm_peak(dtype: torch.dtype = torch.bfloat16, n: int = 8192, iters: int = 2
     return 2 * n**3 / (ms * 1e-3)
 
 
-def time_graph_us(fn: Callable[[int], object], reps: int = 20, replays: int = 15) -> float:
-    """Median microseconds per call of ``fn(i)``, timed by replaying a CUDA graph of ``reps`` calls.
-
-    ``fn`` receives the call index so that it can rotate among input sets; it must be capture-safe.
-    """
+def _capture(fn: Callable[[int], object], reps: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn(0) .. fn(reps - 1)``, after a warm-up on a side stream, replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -78,8 +77,27 @@ def time_graph_us(fn: Callable[[int], object], reps: int = 20, replays: int = 15
             fn(i)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph_us(fn: Callable[[int], object], reps: int = 20, replays: int = 15) -> float:
+    """Median microseconds per call of ``fn(i)``, timed by replaying a CUDA graph of ``reps`` calls.
+
+    ``fn`` receives the call index so that it can rotate among input sets; it must be capture-safe.
+    """
+    graph = _capture(fn, reps)
     ms = statistics.median(_events_time_ms(graph.replay, replays))
     return ms * 1e3 / reps
+
+
+def _budget_reps(fn: Callable[[int], object], n_sets: int, budget_us: float) -> int:
+    """Calls per graph for ``time_graph_budget_us``: a multiple of ``n_sets``, 4 to 400, that fills about
+    ``budget_us`` of GPU time, estimated from one eager pass over the input sets."""
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    (est_ms,) = _events_time_ms(lambda: [fn(i) for i in range(n_sets)], 1)
+    return max(n_sets, min(400, int(budget_us / max(est_ms * 1e3 / n_sets, 1.0)) // n_sets * n_sets))
 
 
 def time_graph_budget_us(fn: Callable[[int], object], n_sets: int, budget_us: float = 25000.0,
@@ -92,12 +110,37 @@ def time_graph_budget_us(fn: Callable[[int], object], n_sets: int, budget_us: fl
     prefill sees. With 2 ms bursts the H100 stayed near 1.98 GHz and the tuner's phases summed to 4517 us at
     mixtral M = 4096, where the same kernels took 4895-5110 us in the benchmark's timing (~1.4 GHz).
     """
-    for i in range(2):
-        fn(i)
-    torch.cuda.synchronize()
-    (est_ms,) = _events_time_ms(lambda: [fn(i) for i in range(n_sets)], 1)
-    reps = max(n_sets, min(400, int(budget_us / max(est_ms * 1e3 / n_sets, 1.0)) // n_sets * n_sets))
-    return time_graph_us(fn, reps=reps, replays=replays)
+    return time_graph_us(fn, reps=_budget_reps(fn, n_sets, budget_us), replays=replays)
+
+
+def time_interleaved_us(fns: dict[str, Callable[[int], object]], n_sets: int, rounds: int = 5,
+                        budget_us: float = 25000.0) -> tuple[dict[str, list[float]], dict[str, Exception]]:
+    """Several implementations of one cell: each ``fn(i)`` captured once in a graph of as many calls as
+    ``time_graph_budget_us`` gives it, then ``rounds`` rounds that replay every graph once, the order rotated by
+    one per round. Returns (name -> its microseconds per call in each round, name -> the exception that stopped
+    its warm-up or capture); compare the rounds' medians, or round by round.
+
+    Why rounds: under a power cap the SM clock follows the load, so one graph's replay times drift during a run;
+    implementations timed one after the other (all replays of one, then the next) would compare clocks as much as
+    kernels, while in the same round they share the clock.
+    """
+    graphs, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            reps = _budget_reps(fn, n_sets, budget_us)
+            graphs[name] = (_capture(fn, reps), reps)
+        except Exception as exc:  # noqa: BLE001  (one failing implementation must not stop the others)
+            errors[name] = exc
+            torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    order = list(graphs)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)] if order else []:
+            graph, reps = graphs[name]
+            (ms,) = _events_time_ms(graph.replay, 1)
+            times[name].append(ms * 1e3 / reps)
+    del graphs
+    return times, errors
 
 
 def rotating(make: Callable[[], object], nbytes_per_set: int, l2_bytes: int | None = None) -> list:

@@ -72,14 +72,15 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(tk_backend, "is_available", lambda: False)
     monkeypatch.setattr(tk_backend, "unavailable_reason", lambda: "fake: no GPU")
 
-    def time_graph_us(fn):
-        for i in range(3):
-            fn(i)
-        return FAKE_US
+    def time_interleaved_us(fns, n_sets, rounds):
+        for fn in fns.values():
+            for i in range(n_sets):
+                fn(i)
+        return {name: [FAKE_US] * rounds for name in fns}, {}
 
     fake = SimpleNamespace(
         device_info=lambda: {"device": "Fake GPU", "torch": torch.__version__, "triton": "0", "command": "fake"},
-        copy_bandwidth=lambda: 2e12, gemm_peak=lambda dtype: 5e14, time_graph_us=time_graph_us,
+        copy_bandwidth=lambda: 2e12, gemm_peak=lambda dtype: 5e14, time_interleaved_us=time_interleaved_us,
         write_json=harness.write_json, gpu_slug=lambda: "fake", random_mxfp4_stack=harness.random_mxfp4_stack,
     )
     monkeypatch.setitem(sys.modules, "harness", fake)

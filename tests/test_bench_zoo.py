@@ -65,14 +65,15 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(tk_backend, "is_available", lambda: False)
     monkeypatch.setattr(tk_backend, "unavailable_reason", lambda: "fake: no GPU")
 
-    def time_graph_budget_us(fn, n_sets):
-        for i in range(n_sets):
-            fn(i)
-        return FAKE_US
+    def time_interleaved_us(fns, n_sets, rounds):
+        for fn in fns.values():
+            for i in range(n_sets):
+                fn(i)
+        return {name: [FAKE_US + r for r in range(rounds)] for name in fns}, {}
 
     fake = SimpleNamespace(
         device_info=lambda: {"device": "Fake GPU", "torch": torch.__version__, "triton": "0", "command": "fake"},
-        copy_bandwidth=lambda: 2e12, gemm_peak=lambda dtype: 5e14, time_graph_budget_us=time_graph_budget_us,
+        copy_bandwidth=lambda: 2e12, gemm_peak=lambda dtype: 5e14, time_interleaved_us=time_interleaved_us,
         write_json=harness.write_json, gpu_slug=lambda: "fake",
     )
     monkeypatch.setitem(sys.modules, "harness", fake)
@@ -86,8 +87,11 @@ def test_run_on_a_tiny_zoo(fake_gpu, tmp_path, capsys):
     assert result["kind"] == "zoo" and set(result["models"]) == {"tiny", "tiny-ep2"} and len(result["rows"]) == 4
     assert result["unavailable"]["triton_kernels"] == "fake: no GPU" and "vllm" in result["unavailable"]
     for row in result["rows"]:
-        assert row["ours_us"] == FAKE_US and row["ours_rel_err"] == 0.0 and row["heuristic_is_table"]
-        assert row["ours_heuristic_us"] == FAKE_US and row["vllm_us"] is None
+        # a column's time: the median of its interleaved rounds, which the row keeps
+        assert row["rounds_us"]["ours"] == [FAKE_US + r for r in range(bench_zoo.ROUNDS)]
+        assert row["ours_us"] == FAKE_US + 2 and row["ours_rel_err"] == 0.0 and row["heuristic_is_table"]
+        assert row["ours_heuristic_us"] == FAKE_US + 2 and row["vllm_us"] is None
+        assert "ours_heuristic" not in row["rounds_us"]  # the same config as ours: not timed twice
         local = 4 if row["model"] == "tiny" else 3
         assert row["bytes"] == pytest.approx(row["experts_hit"] * 3 * 32 * 64 * 2 + 2 * row["M"] * 64 * 2)
         assert row["experts_hit"] <= local and row["local_experts"] == local
