@@ -17,8 +17,6 @@ launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
-``--slot-sum`` adds the table config with the sorted schedule's slot sum inside gemm2 and with it in the sum kernel
-after gemm2 (``fused_experts_triton``'s ``fuse_sum``; the product decides by ``fuses_slot_sum``).
 ``--routing-from FILE`` adds the table config with the device routing of another version of
 ``moe_extension/kernels/_routing.py`` (``git show REV:moe_extension/kernels/_routing.py > FILE``): its ``route``
 swapped in for the call, as the PDL options above swap launchers.
@@ -67,8 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
-    p.add_argument("--slot-sum", action="store_true",
-                   help="also time the table config with the slot sum in gemm2 and with the sum kernel after it")
     p.add_argument("--routing-from", default=None, metavar="FILE",
                    help="also time the table config with the route() of this copy of kernels/_routing.py")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
@@ -78,9 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local-experts", type=int, default=None, metavar="L",
                    help="only the first L of the model's E experts here, through an expert_map")
     args = p.parse_args(argv)
-    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from
-                                      or args.slot_sum):
-        p.error("--no-pdl, --persistent-pdl, --direct-pdl, --slot-sum and --routing-from time fused_experts only")
+    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from):
+        p.error("--no-pdl, --persistent-pdl, --direct-pdl and --routing-from time fused_experts only")
     if args.routing_from is not None and not Path(args.routing_from).is_file():
         p.error(f"--routing-from: no file {args.routing_from}")
     if args.local_experts is not None and args.local_experts < 1:
@@ -176,15 +171,12 @@ def main(argv=None) -> int:
             return expert_gemm2_triton(inter[i % n], w2, sets[i % n][2], topk_weights=sets[i % n][1], config=c,
                                        expert_map=expert_map, **gemm2_args)
     else:
-        def call(c, i, pdl=True, fuse_sum=None):
+        def call(c, i, pdl=True):
             return fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2], args.activation,
-                                        config=c, expert_map=expert_map, pdl=pdl, fuse_sum=fuse_sum, **quant_args)
+                                        config=c, expert_map=expert_map, pdl=pdl, **quant_args)
     runs = {name: (lambda i, c=c: call(c, i)) for name, c in configs.items()}
     if args.no_pdl:
         runs["table, no PDL"] = lambda i: call(table, i, pdl=False)
-    if args.slot_sum:
-        runs["table, sum in gemm2"] = lambda i: call(table, i, fuse_sum=True)
-        runs["table, sum kernel"] = lambda i: call(table, i, fuse_sum=False)
     if args.persistent_pdl:
         launch_persistent = fe._gemm2_persistent
 

@@ -406,39 +406,6 @@ def test_gemm2_starts_on_counted_gemm1_tiles(monkeypatch, tail_m, single_program
     assert waited[:, valid].isfinite().all()
 
 
-@pytest.mark.parametrize("cfg,M,topk,E,opts", [
-    ("sorted", 9, 3, 5, dict(bias=True)),
-    ("sorted_split", 33, 2, 3, dict(emap=True)),  # fp32 partials of 2 splits, 2 blocks per expert
-    ("sorted_rows", 29, 3, 4, dict(on_input=True)),  # 16-row tiles of 32-row blocks
-    ("sorted_bm32", 11, 4, 6, dict(bias=True, emap=True)),
-])
-def test_slot_sum_in_gemm2_equals_the_sum_kernel(monkeypatch, cfg, M, topk, E, opts):
-    """gemm2's slot sum (the last tile of a token's columns sums its rows, ``fuse_sum``) against the sum kernel
-    after gemm2: bitwise equal, every workspace and the output poisoned beforehand (the routing zeroes the
-    counters), tokens without a valid slot exactly 0, a token with one expert in two slots counted twice."""
-    dtype = CASE_DTYPES[0]
-    K, N = 40, 24
-    x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, invalid=0.3, seed=M, **opts)
-    ids[1] = -1  # no valid slot
-    ids[2] = 0  # every slot on one expert
-    monkeypatch.setattr(fe, "torch", _PoisonedAllocations())
-    fused = fused_experts_triton(x, w1, w2, g, ids, "silu", config=CONFIGS[cfg], fuse_sum=True, **kw)
-    apart = fused_experts_triton(x, w1, w2, g, ids, "silu", config=CONFIGS[cfg], fuse_sum=False, **kw)
-    monkeypatch.undo()
-    assert torch.equal(fused, apart) and fused.isfinite().all()
-    assert (fused[1] == 0).all()
-    assert_close(fused, fused_experts_reference(x, w1, w2, g, ids, "silu", **kw), tolerance(dtype, DEVICE))
-
-
-def test_slot_sum_rule():
-    """gemm2 sums the slots while its per-slot rows fit half the L2."""
-    cpu = torch.device("cpu")  # the interpreter's L2: 50 MB
-    assert fe.fuses_slot_sum(64, 8, 4096, 1, 2, cpu)  # 4 MB
-    assert fe.fuses_slot_sum(1024, 6, 2048, 1, 2, cpu)  # 24 MiB
-    assert not fe.fuses_slot_sum(2048, 8, 2048, 1, 2, cpu)  # 64 MiB
-    assert not fe.fuses_slot_sum(1024, 6, 2048, 2, 4, cpu)  # fp32 partials of 2 splits
-
-
 def test_tma_weights_fall_back_for_transposed_weights(monkeypatch):
     monkeypatch.setattr(fe, "tma_capable", lambda device: True)
     ex = random_experts(3, 32, 16, dtype=torch.float16, device=DEVICE, transposed=True)

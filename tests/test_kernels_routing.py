@@ -130,16 +130,3 @@ def test_route_deterministic_and_empty(device):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     empty = route(torch.empty((0, 4), dtype=torch.int32, device=device), 8, 16)
     assert empty.max_blocks == 0 and empty.inverse.numel() == 0 and empty.sorted_pairs.numel() == 0
-
-
-@pytest.mark.parametrize("device", GPU_DEVICES)
-@pytest.mark.parametrize("M,topk,single_max,n", [(20, 4, 512, 1000), (100, 8, 0, 4099), (3, 2, 512, 1)])
-def test_route_zeroes_the_given_counters(device, M, topk, single_max, n):
-    """``zero``: the routing's kernels (one program, or the count kernel's programs in shares) zero it, and route
-    as without it."""
-    ids = torch.randint(-1, 9, (M, topk), dtype=torch.int32, device=device)
-    counters = torch.full((n,), -7, dtype=torch.int32, device=device)
-    r = route(ids, 8, 16, single_program_max_pairs=single_max, zero=counters)
-    assert (counters == 0).all()
-    _check(r, ids.cpu(), 8, 16)
-

@@ -483,14 +483,12 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
                  stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
                  stride_sk, stride_be, stride_bn,
                  stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-                 out_ptr, cnt_ptr, inverse_ptr, stride_om, stride_on,
                  A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
-                 A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr,
-                 SUM: tl.constexpr, SLOTS: tl.constexpr):
+                 A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr):
     """The [BM, BLOCK_N] tile of gemm2's split ``split`` at sorted rows row0.. and columns n0..
     A_Q (fp8 block, A_SORTED): ``a`` holds e4m3 values and ``as_ptr`` their scales per row (stride
-    ``stride_asm``) and 128-column group (gemm1's Q_OUT output). SUM: then ``_sum_arrived`` for its rows."""
+    ``stride_asm``) and 128-column group (gemm1's Q_OUT output)."""
     rows = row0 + tl.arange(0, BM)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < P
@@ -552,62 +550,6 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
     y_rows = split.to(tl.int64) * stride_ys + t.to(tl.int64) * stride_yt + j.to(tl.int64) * stride_yj
     y_ptrs = y_ptr + y_rows[:, None] + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N_OUT)[None, :])
-    if SUM:
-        _sum_arrived(y_ptr, out_ptr, cnt_ptr, inverse_ptr, t, row_ok, n0, topk, N_OUT, stride_ys, stride_yt, stride_yj,
-                     stride_yn, stride_om, stride_on, BM, BLOCK_N, SLOTS)
-
-
-@triton.jit
-def _sum_arrived(y_ptr, out_ptr, cnt_ptr, inverse_ptr, t, row_ok, n0, topk, N_OUT, stride_ys, stride_yt, stride_yj,
-                 stride_yn, stride_om, stride_on, BM: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr):
-    """The slot sum inside gemm2 (SUM): after its rows of y are stored, a tile counts one arrival per row in its
-    token's counter for these columns (``cnt [M, cdiv(N_OUT, BLOCK_N)]`` int32, zeroed by the routing; release:
-    the tile's stores come first); the tile that brings a token's count to its valid slots times the splits
-    (acquire) sums the token's rows of y over the splits and the valid slots in increasing order, as
-    ``sum_slots_kernel`` does: the same sums, bitwise, whichever tile counts last."""
-    tiles_n = tl.cdiv(N_OUT, BLOCK_N)
-    t64 = t.to(tl.int64)
-    # Every thread's stores of y come before the gpu-scope release increments.
-    tl.debug_barrier()
-    old = tl.atomic_add(cnt_ptr + t64 * tiles_n + n0 // BLOCK_N, tl.full([BM], 1, tl.int32), mask=row_ok,
-                        sem="acq_rel", scope="gpu")
-    jj = tl.arange(0, SLOTS)
-    rows = tl.load(inverse_ptr + t64[:, None] * topk + jj[None, :], mask=row_ok[:, None] & (jj < topk)[None, :],
-                   other=-1)
-    splits = tl.num_programs(1)
-    last = row_ok & (old == tl.sum((rows >= 0).to(tl.int32), axis=1) * splits - 1)
-    # The acquiring threads' view before the other threads' loads of the rows other tiles stored.
-    tl.debug_barrier()
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N_OUT
-    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-    y_tile = y_ptr + t64[:, None] * stride_yt + offs_n[None, :] * stride_yn
-    for _ in range(0, splits):
-        for j in range(0, topk):
-            valid = last & (tl.sum(tl.where(jj[None, :] == j, rows, 0), axis=1) >= 0)
-            acc += tl.load(y_tile + j * stride_yj, mask=valid[:, None] & n_ok[None, :], other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
-        y_tile += stride_ys
-    tl.store(out_ptr + t64[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-             mask=last[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _zero_unrouted(out_ptr, inverse_ptr, z, M, topk, N_OUT, stride_om, stride_on, ZM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SLOTS: tl.constexpr):
-    """SUM's rows that no tile sums: tokens ``z * ZM ..`` without a valid slot get out rows of 0 (as
-    ``sum_slots_kernel`` gives them)."""
-    offs_t = z * ZM + tl.arange(0, ZM)
-    t_ok = offs_t < M
-    jj = tl.arange(0, SLOTS)
-    rows = tl.load(inverse_ptr + offs_t.to(tl.int64)[:, None] * topk + jj[None, :],
-                   mask=t_ok[:, None] & (jj < topk)[None, :], other=-1)
-    none = t_ok & (tl.max(rows, axis=1) < 0)
-    for n0 in range(0, N_OUT, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on,
-                 tl.zeros([ZM, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                 mask=none[:, None] & (offs_n < N_OUT)[None, :])
 
 
 @triton.jit(do_not_specialize=["P", "topk", "num_blocks_m", "has_bias", "apply_weight", "tiles_n1",
@@ -618,12 +560,10 @@ def gemm2_sorted_kernel(
     stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn,
     stride_ys, stride_yt, stride_yj, stride_yn, stride_gm, stride_gk,
-    out_ptr, cnt_ptr, inverse_ptr, M, stride_om, stride_on,
     A_SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_DESC: tl.constexpr, TAIL_M: tl.constexpr, A_DESC: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
     WFMT: tl.constexpr, PTX: tl.constexpr, A_Q: tl.constexpr, TILE_M: tl.constexpr = 0,
-    SUM: tl.constexpr = False, SLOTS: tl.constexpr = 1, ZERO_M: tl.constexpr = 16,
 ):
     """y[s, t, j, n] = (sum over this split's k of a[row, k] W2[e, n, k] (+ b2[e, n] in split 0)) * g.
 
@@ -642,9 +582,6 @@ def gemm2_sorted_kernel(
     PDL: programmatic dependent launch. WAIT (after a gemm1 with SIGNAL; tiles_n1 = its N tiles): instead of
     waiting for gemm1's grid at the start, a program waits until ``done[expert]`` reaches the expert's gemm1
     tile count (acquire, gpu scope), and, with PDL, for gemm1's grid at its end.
-    SUM (SLOTS = next_pow2(topk)): the slot sum too, ``out [M, N_OUT]`` (``_sum_arrived``; ``cnt`` zeroed by the
-    routing, ``inverse`` the routing's); the grid's first dim has cdiv(M, ZERO_M) more programs (split 0 only),
-    which give the tokens without a valid slot their rows of 0 (``_zero_unrouted``).
     """
     if WAIT:
         if PDL:
@@ -652,16 +589,6 @@ def gemm2_sorted_kernel(
     else:
         grid_dependency(PDL)
     ROWS: tl.constexpr = BLOCK_M if TILE_M == 0 else TILE_M
-    tile_programs = num_blocks_m * (BLOCK_M // ROWS) * tl.cdiv(N_OUT, BLOCK_N)
-    if SUM:
-        if tl.program_id(0) >= tile_programs:
-            if tl.program_id(1) == 0:
-                if WAIT:
-                    if PDL:
-                        gdc_wait()  # the routing's inverse: complete with gemm1's grid
-                _zero_unrouted(out_ptr, inverse_ptr, tl.program_id(0) - tile_programs, M, topk, N_OUT, stride_om,
-                               stride_on, ZERO_M, BLOCK_N, SLOTS)
-            return
     expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m * (BLOCK_M // ROWS), tl.cdiv(N_OUT, BLOCK_N),
                                  block_expert_ptr, counts_ptr, starts_ptr, BLOCK_M, GROUP_M, BLOCK_M // ROWS)
     split = tl.program_id(1)
@@ -687,15 +614,13 @@ def gemm2_sorted_kernel(
                      row0, pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
                      stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
-                     stride_gk, out_ptr, cnt_ptr, inverse_ptr, stride_om, stride_on, A_SORTED, EVEN_K, DOT_PREC, TAIL_M,
-                     BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q, SUM, SLOTS)
+                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, TAIL_M, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
     else:
         _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert, row0,
                      pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
                      stride_sn, stride_sk, stride_be, stride_bn, stride_ys, stride_yt, stride_yj, stride_yn, stride_gm,
-                     stride_gk, out_ptr, cnt_ptr, inverse_ptr, stride_om, stride_on, A_SORTED, EVEN_K, DOT_PREC, ROWS,
-                     BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q, SUM, SLOTS)
+                     stride_gk, A_SORTED, EVEN_K, DOT_PREC, ROWS, BLOCK_N, BLOCK_K, W_DESC, A_DESC, WFMT, PTX, A_Q)
     if WAIT:
         if PDL:
             # gemm1 has completed (all its tiles counted): this grid's completion implies gemm1's.

@@ -62,12 +62,6 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def l2_bytes(device: torch.device) -> int:
-    """The GPU's L2 cache in bytes; 50 MB (an H100's) in the interpreter."""
-    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
-
-
-@functools.lru_cache(maxsize=None)
 def _side_stream_of(device: torch.device, stream_id: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 

@@ -89,14 +89,6 @@ def local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk
 
 
 @triton.jit
-def _zero_share(zero_ptr, lo, hi, B: tl.constexpr):
-    """int32 zero_ptr[lo, hi) = 0, B at a time."""
-    for i0 in range(lo, hi, B):
-        i = i0 + tl.arange(0, B)
-        tl.store(zero_ptr + i, tl.zeros([B], dtype=tl.int32), mask=i < hi)
-
-
-@triton.jit
 def _chunk_histogram(e, valid, NB: tl.constexpr):
     """Valid pairs per expert bin [NB] of one chunk (tl.histogram needs every value inside [0, NB))."""
     hist = tl.histogram(tl.where(valid, e, 0), NB)
@@ -134,11 +126,10 @@ def _write_padding(counts, starts, sorted_ptr, P, e_lo, e_hi, BLOCK_M: tl.conste
                  mask=ok[:, None] & (slot < pad_end[:, None]))
 
 
-@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks",
-                               "n_zero"])
+@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "max_blocks"])
 def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map,
-                         sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, zero_ptr, n_zero,
-                         BLOCK_M: tl.constexpr, NB: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr):
+                         sorted_ptr, block_expert_ptr, inverse_ptr, meta_ptr, max_blocks, BLOCK_M: tl.constexpr,
+                         NB: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr):
     """Routing of P <= PB pairs in one program: the ids read once, the plan from their histogram, and the pairs
     in sorted order by one sort of the keys ``expert * PB + p`` (invalid pairs last): the i-th valid key's pair goes
     to its expert's padded start plus i minus the expert's first index in the sorted keys. Every used sorted row
@@ -152,7 +143,6 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
     grid_dependency(PDL)
     nb = tl.arange(0, NB)
     p = tl.arange(0, PB)
-    _zero_share(zero_ptr, 0, n_zero, PB)
     e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
     counts = _chunk_histogram(e, valid, NB)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
@@ -182,18 +172,15 @@ def _route_single_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P,
     tl.store(sorted_ptr + pos, p_sorted, mask=ok)
 
 
-@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map", "n_zero",
-                               "zero_per_program"])
+@triton.jit(do_not_specialize=["stride_im", "stride_ik", "E_global", "E", "P", "topk", "has_map"])
 def _route_count_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P, topk, has_map, chunk_counts_ptr,
-                        meta_ptr, zero_ptr, n_zero, zero_per_program, NB: tl.constexpr, CHUNK: tl.constexpr,
-                        PDL: tl.constexpr):
+                        meta_ptr, NB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Per-chunk expert histogram: chunk_counts[c, :] (int32 [num_chunks, NB]); program 0 also zeroes the
-    tiles_done counters (meta[2 NB, 3 NB)), and each program its share of ``zero``."""
+    tiles_done counters (meta[2 NB, 3 NB))."""
     grid_dependency(PDL)
     c = tl.program_id(0)
     if c == 0:
         tl.store(meta_ptr + 2 * NB + tl.arange(0, NB), tl.zeros([NB], dtype=tl.int32))
-    _zero_share(zero_ptr, c * zero_per_program, tl.minimum((c + 1) * zero_per_program, n_zero), CHUNK)
     p = c * CHUNK + tl.arange(0, CHUNK)
     e, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
     tl.store(chunk_counts_ptr + c * NB + tl.arange(0, NB), _chunk_histogram(e, valid, NB))
@@ -262,11 +249,9 @@ def _route_scatter_kernel(ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, P
 
 def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
           single_program_max_pairs: int = SINGLE_PROGRAM_MAX_PAIRS, prefix_rows: int = PREFIX_ROWS,
-          pdl: bool = False, zero: torch.Tensor | None = None) -> Routing:
+          pdl: bool = False) -> Routing:
     """Expert-sorted, ``block_m``-padded order of the pairs of ``topk_ids [M, topk]`` (int32/int64, any
     strides) over ``num_experts`` local experts; ``expert_map [E_global]`` int32 maps global to local ids.
-    ``zero``: a contiguous int32 tensor that the routing's kernels also fill with 0 (counters of a later kernel
-    of the call, without a launch of their own).
 
     Schedule knobs (the tests set them to reach both schedules and multi-step prefixes; the results do not
     depend on them): ``single_program_max_pairs``, the largest P routed by one program (at most
@@ -287,11 +272,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     meta = torch.empty(3 * NB, dtype=torch.int32, device=dev)
     routing = Routing(sorted_pairs, block_expert, inverse, meta[:E], meta[NB:NB + E], block_m, max_blocks,
                       meta[2 * NB:2 * NB + E])
-    n_zero = 0 if zero is None else zero.numel()
-    zero_arg = zero if zero is not None else meta
     if P == 0:
-        if zero is not None:
-            zero.zero_()
         return routing
     has_map = expert_map is not None
     map_arg = expert_map if has_map else topk_ids
@@ -300,8 +281,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     if P <= min(single_program_max_pairs, SINGLE_PROGRAM_MAX_PAIRS):
         PB = max(CHUNK, next_power_of_2(P))
         _route_single_kernel[(1,)](
-            *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks, zero_arg, n_zero, BLOCK_M=block_m, NB=NB,
-            PB=PB,
+            *ids_args, sorted_pairs, block_expert, inverse, meta, max_blocks, BLOCK_M=block_m, NB=NB, PB=PB,
             **pdl_options(pdl, num_warps=_NUM_WARPS if PB <= 256 else 2 * _NUM_WARPS))
         return routing
     launch = pdl_options(pdl, num_warps=_NUM_WARPS)
@@ -310,8 +290,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: to
     experts_per_program = cdiv(E, num_chunks)
     EB = min(next_power_of_2(experts_per_program), max(1, 8192 // block_m))
     chunk_counts = torch.empty(num_chunks * NB, dtype=torch.int32, device=dev)
-    _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, meta, zero_arg, n_zero, cdiv(n_zero, num_chunks),
-                                       NB=NB, CHUNK=CHUNK, **launch)
+    _route_count_kernel[(num_chunks,)](*ids_args, chunk_counts, meta, NB=NB, CHUNK=CHUNK, **launch)
     _route_prefix_kernel[(NB // PREFIX_EXPERTS,)](
         chunk_counts, num_chunks, meta, NB=NB, EC=PREFIX_EXPERTS,
         CB=min(next_power_of_2(num_chunks), prefix_rows), **launch)

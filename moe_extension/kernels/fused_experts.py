@@ -59,8 +59,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major
-from moe_extension.kernels._launch import (cdiv, device_guard, join, l2_bytes, next_power_of_2, pdl_capable,
-                                           pdl_options, sm_count, tma_capable, tma_layout_ok)
+from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
+                                           sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
 from moe_extension.kernels._routing import Routing, route
 from moe_extension.kernels._gemv_dot import gemv1_dot_kernel, gemv2_dot_kernel
@@ -288,15 +288,13 @@ def effective_splits(N: int, cfg: GemmConfig) -> int:
 
 
 def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg: GemmConfig, pdl: bool = False,
-                  wait_tiles_n1: int = 0, a_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  counters: torch.Tensor | None = None):
+                  wait_tiles_n1: int = 0, a_scale: torch.Tensor | None = None):
     """y [splits, M, topk, K] of the second GEMM; ``a`` is [sorted rows, N] (a_sorted) or [M, topk, N].
     fp8 block: ``a_scale`` given (a_sorted), a holds gemm1's quantized rows and these their scales.
 
     pdl: launch with programmatic dependent launch. wait_tiles_n1 > 0 (gemm1's N tiles; with pdl, after a
     gemm1 launched with ``signal``): each tile waits until its expert's gemm1 tiles have all counted instead
-    of waiting for gemm1's whole grid. ``out [M, K]`` and ``counters`` (``_slot_sum_counters`` int32, zeroed by
-    the routing): the slot sum too (``gemm2_sorted_kernel``'s SUM), no ``_sum_slots`` after it."""
+    of waiting for gemm1's whole grid."""
     w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
     splits = y.shape[0]
@@ -306,9 +304,7 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
     else:
         stride_am, stride_aj, stride_ak = a.stride(0), a.stride(1), a.stride(2)
     rows = cfg.tile_m or routing.block_m
-    M = y.shape[1]
-    grid = (routing.max_blocks * (routing.block_m // rows) * cdiv(K, cfg.block_n)
-            + (cdiv(M, SLOT_SUM_ZERO_ROWS) if out is not None else 0), splits)
+    grid = (routing.max_blocks * (routing.block_m // rows) * cdiv(K, cfg.block_n), splits)
     w_desc = _weight_desc(w2.w, cfg.block_n, cfg) if w2.element_tiles else None
     a_desc, a_tail_desc = _sorted_rows_descs(a, rows, cfg) if a_sorted else (None, None)
     kern.gemm2_sorted_kernel[grid](
@@ -321,32 +317,13 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         *w2.strides,
         _stride(bias, 0), _stride(bias, 1), y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         _stride(weights, 0), _stride(weights, 1),
-        out if out is not None else y, counters if counters is not None else routing.inverse, routing.inverse, M,
-        _stride(out, 0), _stride(out, 1),
         A_SORTED=a_sorted, WFMT=w2.fmt, PTX=_ptx(a.device),
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype, w2),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, WAIT=wait_tiles_n1 > 0,
-        A_Q=a_scale is not None, TILE_M=0 if rows == routing.block_m else rows, SUM=out is not None,
-        SLOTS=next_power_of_2(topk), ZERO_M=SLOT_SUM_ZERO_ROWS,
+        A_Q=a_scale is not None, TILE_M=0 if rows == routing.block_m else rows,
         **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
-
-
-# Tokens per program of gemm2's programs that zero the out rows of tokens without a valid slot (SUM).
-SLOT_SUM_ZERO_ROWS = 16
-
-
-def _slot_sum_counters(M: int, K: int, cfg: GemmConfig) -> int:
-    """The int32 counters of gemm2's slot sum: one per token and output tile."""
-    return M * cdiv(K, cfg.block_n)
-
-
-def fuses_slot_sum(M: int, topk: int, K: int, splits: int, esize: int, device: torch.device) -> bool:
-    """Whether the sorted gemm2 (not the persistent one) also sums the slots (``gemm2_sorted_kernel``'s SUM)
-    instead of a ``sum_slots`` launch after it: while its per-slot rows fit in half the L2 (the last tile of a
-    token reads the other tiles' rows from there)."""
-    return splits * M * topk * K * esize <= l2_bytes(device) // 2
 
 
 def _persistent_gemm2_ok(a: torch.Tensor, w2: torch.Tensor, cfg: GemmConfig) -> bool:
@@ -534,16 +511,14 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                          expert_map: torch.Tensor | None = None, apply_router_weight_on_input: bool = False,
                          alpha: float = 1.702, limit: float = 7.0, quant: str = "none",
                          w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                         config: MoeConfig | None = None, pdl: bool = True,
-                         fuse_sum: bool | None = None) -> torch.Tensor:
+                         config: MoeConfig | None = None, pdl: bool = True) -> torch.Tensor:
     """out [M, K] = sum_j g_j FFN_{e_j}(x) (or sum_j FFN_{e_j}(g_j x) with apply_router_weight_on_input).
 
     quant: "none", "mxfp4" or "fp8_block" (w1 / w2 with their scales; see ``_weight_formats``). fp8 block
     quantizes the activations per token per 128 columns: x once up front (``quantize_fp8_rows``; per slot inside
     gemm1 with apply_router_weight_on_input, since g x is what is quantized) and gemm1's output in its epilogue
     (e4m3 rows + scales, gemm2's input), in both schedules. pdl: programmatic dependent launch where the device
-    has it (False: plain stream order, for A/B runs). fuse_sum: whether the sorted schedule's gemm2 sums the slots
-    (None: ``fuses_slot_sum``; True / False for A/B runs; the persistent gemm2 never does)."""
+    has it (False: plain stream order, for A/B runs)."""
     M, K = hidden_states.shape
     w1, w2 = WeightOperand(w1, w1_scale, quant), WeightOperand(w2, w2_scale, quant)
     E, two_n, _ = w1.shape
@@ -584,14 +559,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         x, x_scale, a_scale = hidden_states, None, None
         if fp8 and w_in is None and not gathers_rows(hidden_states, cfg.gemm1, quantize=True):
             x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0)
-        splits = effective_splits(N, cfg.gemm2)
-        y_dtype = dtype if splits == 1 else torch.float32
-        if fuse_sum is None:
-            fuse_sum = fuses_slot_sum(M, topk, K, splits, y_dtype.itemsize, dev)
-        fuse_sum = fuse_sum and not (w2.dense and cfg.gemm2.persistent)
-        counters = (torch.empty((_slot_sum_counters(M, K, cfg.gemm2),), dtype=torch.int32, device=dev)
-                    if fuse_sum else None)
-        routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl, zero=counters)
+        routing = route(topk_ids, E, cfg.block_m, expert_map, pdl=pdl)
         a = torch.empty((routing.max_blocks * cfg.block_m, N), dtype=torch.float8_e4m3fn if fp8 else dtype,
                         device=dev)
         if fp8:
@@ -601,7 +569,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         # allocated until the end of the call, so that y cannot take its memory while gemm1 reads it. The
         # persistent gemm2 reads only valid rows, so gemm1 leaves the padding rows unwritten for it (at qwen3
         # M = 4096 ~8k rows, 12.6 MB of stores; the end-to-end change was inside the noise).
-        persistent = not fuse_sum and w2.dense and _persistent_gemm2_ok(a, w2.w, cfg.gemm2)
+        persistent = w2.dense and _persistent_gemm2_ok(a, w2.w, cfg.gemm2)
         # A persistent gemm1 signals no tiles: gemm2 then waits for its completion.
         signal = pdl and not persistent and not _persistent_gemm1_ok(cfg.gemm1, w1)
         rows = _gemm1_sorted(x, w1, w1_bias, a, True, routing, topk, act, w_in, alpha, limit, cfg.gemm1, pdl,
@@ -615,14 +583,13 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             # ``python benchmarks/ab_fused_experts.py --model qwen3-30b-a3b --tokens 4096 --persistent-pdl``).
             _gemm2_persistent(a, w2.w, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl=False)
         else:
+            splits = effective_splits(N, cfg.gemm2)
             # NOTE: per-slot rows are stored in the activations' dtype (half the bytes of fp32: at qwen3
             # M = 4096 that is 134 MB written + read instead of 268 MB); split partials need fp32.
-            y = torch.empty((splits, M, topk, K), dtype=y_dtype, device=dev)
+            y = torch.empty((splits, M, topk, K), dtype=dtype if splits == 1 else torch.float32, device=dev)
             _gemm2_sorted(a, True, w2, w2_bias, y, routing, topk, w_out, cfg.gemm2, pdl,
-                          wait_tiles_n1=cdiv(N, cfg.gemm1.block_n) if signal else 0, a_scale=a_scale,
-                          out=out if fuse_sum else None, counters=counters)
-        if not fuse_sum:
-            _sum_slots(y, routing.inverse, out, topk, pdl)
+                          wait_tiles_n1=cdiv(N, cfg.gemm1.block_n) if signal else 0, a_scale=a_scale)
+        _sum_slots(y, routing.inverse, out, topk, pdl)
         del rows
     return out
 
