@@ -431,12 +431,7 @@ def run_cell(torch, harness, impls, reference, unavailable, model, shape, m, exp
             row["failures"][name] = _describe(exc)
             references.pop(name, None)
         torch.cuda.synchronize()
-    rounds, errors = harness.time_interleaved_us(timed, len(sets), ROUNDS)
-    row["rounds_us"] = rounds
-    for name, v in rounds.items():
-        row[f"{name}_us"] = statistics.median(v)
-    for name, exc in errors.items():
-        row["failures"][name] = _describe(exc)
+    harness.record_rounds(row, *harness.time_interleaved_us(timed, len(sets), ROUNDS), _describe)
     print_row(row, tuple(impls))
     return row
 

@@ -259,12 +259,7 @@ def run_cell(torch, harness, rel_err, describe, impls, unavailable, shape_name, 
         except Exception as exc:  # noqa: BLE001  (one failing column must not end the run)
             row["failures"][name] = describe(exc)
         torch.cuda.synchronize()
-    rounds, errors = harness.time_interleaved_us(timed, len(sets), ROUNDS)
-    row["rounds_us"] = rounds
-    for name, v in rounds.items():
-        row[f"{name}_us"] = statistics.median(v)
-    for name, exc in errors.items():
-        row["failures"][name] = describe(exc)
+    harness.record_rounds(row, *harness.time_interleaved_us(timed, len(sets), ROUNDS), describe)
     cells = "  ".join(f"{n} {_ratio(row, n)}" for n in IMPLS)
     print(f"{shape_name:<22} M={m:<5} floor {row['floor_us']:8.1f} us  {cells}")
     for name, failure in row["failures"].items():

@@ -100,7 +100,7 @@ def cell_row(torch, model: str, shape: dict, m: int, sets: list, copy_bw: float,
 
 def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gemm_peak: float) -> list[dict]:
     """Every M of one zoo shape; returns its rows."""
-    from bench_fused_experts import make_weights, rel_err
+    from bench_fused_experts import _describe, make_weights, rel_err
 
     from moe_extension.kernels import fused_experts_triton
     from moe_extension.parallel import contiguous_expert_map
@@ -171,21 +171,12 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
             except Exception as exc:  # noqa: BLE001  (one failing implementation must not end the run)
                 row["failures"][name] = _describe(exc)
             torch.cuda.synchronize()
-        rounds, errors = harness.time_interleaved_us(timed, ROUTINGS, ROUNDS)
-        row["rounds_us"] = rounds
-        for name, v in rounds.items():
-            row[f"{name}_us"] = statistics.median(v)
-        for name, exc in errors.items():
-            row["failures"][name] = _describe(exc)
+        harness.record_rounds(row, *harness.time_interleaved_us(timed, ROUTINGS, ROUNDS), _describe)
         if row["heuristic_is_table"]:
             row["ours_heuristic_us"] = row["ours_us"]  # the same config: the same number
         print_row(row)
         rows.append(row)
     return rows
-
-
-def _describe(exc: Exception) -> str:
-    return f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
 
 
 def _ratio(row, name) -> str:

@@ -6,7 +6,8 @@
   CUDA graph that holds ``reps`` calls of it (launch gaps shrink to what a captured decode loop sees);
   ``time_graph_budget_us(fn, n_sets)``: the same with ``reps`` sized to a time budget per replay;
   ``time_interleaved_us(fns, n_sets)``: several implementations of one cell, each captured once as
-  ``time_graph_budget_us`` sizes it, then timed in interleaved rounds (what comparisons between them use).
+  ``time_graph_budget_us`` sizes it, then timed in interleaved rounds (what comparisons between them use);
+  ``record_rounds(row, ...)`` puts its answer into a results row.
 - ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
 - ``device_info()``: the device/torch/triton fields every results file carries at its top level.
 - ``load_module(path)``: the Python module in a file (another version of one of ours, for a side-by-side A/B).
@@ -143,6 +144,17 @@ def time_interleaved_us(fns: dict[str, Callable[[int], object]], n_sets: int, ro
             times[name].append(ms * 1e3 / reps)
     del graphs
     return times, errors
+
+
+def record_rounds(row: dict, rounds: dict[str, list[float]], errors: dict[str, Exception],
+                  describe: Callable[[Exception], str]) -> None:
+    """A results row from ``time_interleaved_us``'s answer: ``row[name + "_us"]`` the median of a column's rounds,
+    ``row["rounds_us"]`` the rounds, ``row["failures"][name]`` what stopped a column (``describe(exc)``)."""
+    row["rounds_us"] = rounds
+    for name, v in rounds.items():
+        row[f"{name}_us"] = statistics.median(v)
+    for name, exc in errors.items():
+        row["failures"][name] = describe(exc)
 
 
 def rotating(make: Callable[[], object], nbytes_per_set: int, l2_bytes: int | None = None) -> list:

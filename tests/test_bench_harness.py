@@ -60,3 +60,11 @@ def test_a_failing_capture_is_reported_and_the_rest_timed(fake_cuda):
     assert set(times) == {"a", "b"} and list(errors) == ["x"] and "capture failed" in str(errors["x"])
     assert fake_cuda == ["a", "b", "b", "a", "a", "b"]
     assert harness.time_interleaved_us({}, n_sets=4, rounds=3) == ({}, {})
+
+
+def test_record_rounds_fills_a_row():
+    row = {"failures": {}}
+    harness.record_rounds(row, {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0]}, {"c": ValueError("no")},
+                          lambda exc: f"raised {type(exc).__name__}")
+    assert row == {"failures": {"c": "raised ValueError"}, "rounds_us": {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0]},
+                   "a_us": 2.0, "b_us": 4.5}
