@@ -31,7 +31,8 @@ weights of the local experts the routing hits + x + out, flops = ``2 * valid pai
 every column is checked against the op's PyTorch backend (rel err <= 1e-2; ``vllm_gemms`` runs ``vllm``'s
 checked launches on prepared inputs).
 
-Summary: at M >= 8, the cells where ours <= every peer (vllm, vllm_gemms, triton_kernels, grouped_mm);
+Summary: at M >= 8, the cells where ours <= every peer (vllm, vllm_gemms, triton_kernels, grouped_mm), and where a
+peer's median is lower, the two compared round by round (``peer_rounds``: ours / peer per round, rounds ours won);
 geomean and max of ours / floor; ours_heuristic / ours per cell (the untuned default against the tuned entry).
 Targets: ours <= every peer at M >= 8, geomean <= 1.15, max <= 1.6, heuristic within 7% of the tuned entry.
 Writes ``zoo_<gpu>.json`` under ``--out`` (``plot_fused_experts.py`` charts it). CUDA only (``--help`` works
@@ -192,21 +193,28 @@ def print_row(row) -> None:
 
 
 def summarize(rows) -> dict:
-    """The issue's targets over the cells."""
+    """The issue's targets over the cells; for each cell where a peer's median is below ours, ``peer_rounds``
+    compares the two round by round (``harness.round_ratios``: ours / peer), which tells a loss from the
+    clock's spread."""
+    from harness import round_ratios
+
     timed = [r for r in rows if r["ours_us"] is not None]
     ratios = [r["ours_us"] / r["floor_us"] for r in timed]
-    beaten = {}
+    beaten, peer_rounds = {}, {}
     for r in timed:
         if r["M"] < 8:
             continue
         slower = [p for p in PEERS if r.get(f"{p}_us") is not None and r[f"{p}_us"] < r["ours_us"]]
         beaten[f"{r['model']} M={r['M']}"] = slower
+        compared = {p: round_ratios(r, "ours", p) for p in slower}
+        if any(v is not None for v in compared.values()):
+            peer_rounds[f"{r['model']} M={r['M']}"] = {p: v for p, v in compared.items() if v is not None}
     heur = [r["ours_heuristic_us"] / r["ours_us"] for r in timed if r.get("ours_heuristic_us") is not None]
     geo = math.exp(statistics.mean(math.log(v) for v in ratios)) if ratios else None
     return dict(
         cells=len(rows), ours_timed=len(timed),
         cells_m_ge_8=len(beaten), ours_le_every_peer_m_ge_8=sum(not v for v in beaten.values()),
-        peers_faster=({cell: v for cell, v in beaten.items() if v}),
+        peers_faster=({cell: v for cell, v in beaten.items() if v}), peer_rounds=peer_rounds,
         geomean_ours_over_floor=geo, max_ours_over_floor=max(ratios) if ratios else None,
         max_heuristic_over_ours=max(heur) if heur else None,
         heuristic_within_target=sum(v <= TARGET_HEURISTIC for v in heur), heuristic_compared=len(heur),
@@ -225,7 +233,10 @@ def print_summary(s) -> None:
     print()
     print(f"ours <= every peer at M >= 8: {s['ours_le_every_peer_m_ge_8']} of {s['cells_m_ge_8']} cells")
     for cell, slower in s["peers_faster"].items():
-        print(f"    {cell}: faster {', '.join(slower)}")
+        rounds = s.get("peer_rounds", {}).get(cell, {})
+        print(f"    {cell}: faster " + ", ".join(
+            p + (f" (ours / it per round {rounds[p]['min']:.3f}-{rounds[p]['max']:.3f}, ours faster in "
+                 f"{rounds[p]['faster']} of {rounds[p]['rounds']})" if p in rounds else "") for p in slower))
     geo, mx = s["geomean_ours_over_floor"], s["max_ours_over_floor"]
     print(f"geomean(ours / floor) {geo:.3f} (target <= {TARGET_GEOMEAN}), max {mx:.3f} (target <= {TARGET_MAX})")
     print("geomean / floor by column: " + ", ".join(f"{k} {v:.3f}" for k, v in s["geomean_over_floor"].items()

@@ -7,7 +7,8 @@
   ``time_graph_budget_us(fn, n_sets)``: the same with ``reps`` sized to a time budget per replay;
   ``time_interleaved_us(fns, n_sets)``: several implementations of one cell, each captured once as
   ``time_graph_budget_us`` sizes it, then timed in interleaved rounds (what comparisons between them use);
-  ``record_rounds(row, ...)`` puts its answer into a results row.
+  ``record_rounds(row, ...)`` puts its answer into a results row, ``round_ratios(row, a, b)`` compares two of its
+  columns round by round.
 - ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
 - ``device_info()``: the device/torch/triton fields every results file carries at its top level.
 - ``load_module(path)``: the Python module in a file (another version of one of ours, for a side-by-side A/B).
@@ -155,6 +156,18 @@ def record_rounds(row: dict, rounds: dict[str, list[float]], errors: dict[str, E
         row[f"{name}_us"] = statistics.median(v)
     for name, exc in errors.items():
         row["failures"][name] = describe(exc)
+
+
+def round_ratios(row: dict, a: str, b: str) -> dict | None:
+    """Columns ``a`` and ``b`` of a row compared round by round (their ``rounds_us`` from one
+    ``time_interleaved_us``): the least, median and largest ratio a / b and in how many rounds a was faster; None
+    where either column has no rounds."""
+    rounds = row.get("rounds_us", {})
+    if a not in rounds or b not in rounds:
+        return None
+    ratios = [x / y for x, y in zip(rounds[a], rounds[b])]
+    return dict(min=min(ratios), median=statistics.median(ratios), max=max(ratios),
+                faster=sum(x < y for x, y in zip(rounds[a], rounds[b])), rounds=len(ratios))
 
 
 def rotating(make: Callable[[], object], nbytes_per_set: int, l2_bytes: int | None = None) -> list:

@@ -51,6 +51,17 @@ def test_summary_counts_cells_against_every_peer():
     assert s["peers_faster"] == {"a M=8": ["vllm_gemms"]}
     assert s["max_ours_over_floor"] == 3.0 and s["max_heuristic_over_ours"] == pytest.approx(1.1)
     assert (s["heuristic_within_target"], s["heuristic_compared"]) == (3, 4)
+    assert s["peer_rounds"] == {}  # rows without rounds: no round-by-round comparison
+
+
+def test_summary_compares_a_faster_peer_round_by_round():
+    row = _row("a", 512, 10.5, vllm_gemms=10.0, triton_kernels=11.0)
+    row["rounds_us"] = {"ours": [10.0, 10.5, 12.0], "vllm_gemms": [10.5, 10.0, 10.0], "triton_kernels": [11.0] * 3}
+    s = bench_zoo.summarize([row])
+    assert s["peers_faster"] == {"a M=512": ["vllm_gemms"]}
+    assert s["peer_rounds"] == {"a M=512": {"vllm_gemms": dict(min=10.0 / 10.5, median=1.05, max=1.2, faster=1,
+                                                               rounds=3)}}
+    assert harness.round_ratios(row, "ours", "grouped_mm") is None
 
 
 @pytest.fixture
@@ -74,7 +85,7 @@ def fake_gpu(monkeypatch):
     fake = SimpleNamespace(
         device_info=lambda: {"device": "Fake GPU", "torch": torch.__version__, "triton": "0", "command": "fake"},
         copy_bandwidth=lambda: 2e12, gemm_peak=lambda dtype: 5e14, time_interleaved_us=time_interleaved_us,
-        record_rounds=harness.record_rounds,
+        record_rounds=harness.record_rounds, round_ratios=harness.round_ratios,
         write_json=harness.write_json, gpu_slug=lambda: "fake",
     )
     monkeypatch.setitem(sys.modules, "harness", fake)
