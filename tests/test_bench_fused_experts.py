@@ -58,6 +58,15 @@ def test_mxfp4_summary_and_targets():
     assert bench.summarize_mxfp4([_row("a", 16, 11.0, 12.0)])["targets_met"]["m1_ours_over_floor"] is None
 
 
+def test_summary_compares_a_faster_triton_kernels_round_by_round():
+    lost, won = _row("a", 64, 12.0, 11.0), _row("a", 256, 11.0, 12.0)
+    lost["rounds_us"] = {"ours": [12.0, 10.0, 12.0], "triton_kernels": [11.0, 11.0, 12.0]}
+    won["rounds_us"] = {"ours": [11.0] * 3, "triton_kernels": [12.0] * 3}
+    s = bench.summarize([lost, won, _row("b", 64, 12.0, 11.0)])  # the last without rounds: not compared
+    assert s["triton_kernels_rounds"] == {"a M=64": dict(min=10.0 / 11.0, median=1.0, max=12.0 / 11.0, faster=1,
+                                                         rounds=3)}
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """The benchmark on the CPU: tiny models, a harness that calls each function but fakes its timings."""
@@ -81,7 +90,7 @@ def fake_gpu(monkeypatch):
     fake = SimpleNamespace(
         device_info=lambda: {"device": "Fake GPU", "torch": torch.__version__, "triton": "0", "command": "fake"},
         copy_bandwidth=lambda: 2e12, gemm_peak=lambda dtype: 5e14, time_interleaved_us=time_interleaved_us,
-        record_rounds=harness.record_rounds,
+        record_rounds=harness.record_rounds, round_ratios=harness.round_ratios,
         write_json=harness.write_json, gpu_slug=lambda: "fake", random_mxfp4_stack=harness.random_mxfp4_stack,
     )
     monkeypatch.setitem(sys.modules, "harness", fake)
@@ -92,7 +101,7 @@ def test_bf16_run_keeps_its_file_and_fields(fake_gpu, tmp_path, capsys):
     result = json.loads((tmp_path / "fused_experts_fake.json").read_text())
     assert "quant" not in result and result["dtype"] == "bfloat16"
     assert set(result["summary"]) == {"cells", "ours_timed", "ours_le_triton_kernels", "compared_with_triton_kernels",
-                                      "geomean_ours_over_floor", "max_ours_over_floor"}
+                                      "triton_kernels_rounds", "geomean_ours_over_floor", "max_ours_over_floor"}
     for row in result["rows"]:
         assert row["ours_us"] == FAKE_US and row["ours_rel_err"] == 0.0 and row["triton_kernels_us"] is None
         assert "grouped_mm_us" in row and "ours_bf16_us" not in row
