@@ -138,12 +138,12 @@ def time_interleaved_us(fns: dict[str, Callable[[int], object]], n_sets: int, ro
             torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in graphs}
     order = list(graphs)
-    for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)] if order else []:
+    for r in range(rounds if order else 0):
+        first = r % len(order)
+        for name in order[first:] + order[:first]:
             graph, reps = graphs[name]
             (ms,) = _events_time_ms(graph.replay, 1)
             times[name].append(ms * 1e3 / reps)
-    del graphs
     return times, errors
 
 
