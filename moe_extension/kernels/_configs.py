@@ -491,10 +491,12 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
 def gemv_smem(stages: int, rows: int, quant: str) -> int:
     """Bytes of shared memory of a direct tensor-core GEMV program's pipelined tiles (``_gemv_dot``): per stage the
     16-row activation tile of 128 columns (e4m3 for fp8 block, which quantizes it up front, else 16-bit) and
-    ``rows`` weight rows of 128 columns (fp8: a byte each; MXFP4 in the MMA layout: codes and scales, 17 / 32
-    byte)."""
+    ``rows`` weight rows of 128 columns (fp8: a byte each; 16-bit dense: two; MXFP4 in the MMA layout: codes and
+    scales, 17 / 32 byte)."""
     if quant == "fp8_block":
         return stages * (16 + rows) * 128
+    if quant == "none":
+        return stages * (16 + rows) * 128 * 2
     return stages * (16 * 128 * 2 + rows * 128 * 17 // 32)
 
 

@@ -578,9 +578,15 @@ def dot_step_t(acc_t, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BL
     if WFMT == 3:
         w = _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K, BLOCK_K, PTX)
         acc_t = tl.dot(w, tl.trans(_as_bf16(a, PTX)), acc_t, input_precision=DOT_PREC)
+    elif WFMT == 0:
+        if EVEN_K:
+            w = tl.load(ptrs)
+        else:
+            w = tl.load(ptrs, mask=(tl.arange(0, BLOCK_K) < k_left)[None, :], other=0.0)
+        acc_t = tl.dot(w, tl.trans(a.to(w.dtype)), acc_t, input_precision=DOT_PREC)
     else:
-        tl.static_assert(WFMT == 2 and BLOCK_K == 128, "transposed tensor-core steps: MXFP4 in the MMA layout and "
-                         "fp8 block (one 128-column scale block per step)")
+        tl.static_assert(WFMT == 2 and BLOCK_K == 128, "transposed tensor-core steps: dense 16-bit weights, MXFP4 in "
+                         "the MMA layout and fp8 block (one 128-column scale block per step)")
         if EVEN_K:
             w = tl.load(ptrs)
         else:

@@ -430,7 +430,8 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             float(limit), *lora_args,
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
-            G_ON_A=weights is not None, A_Q=x_scale is not None, Q_OUT=out_scale is not None, **lora_flags,
+            G_ON_A=weights is not None and not w1.dense, A_Q=x_scale is not None, Q_OUT=out_scale is not None,
+            **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
