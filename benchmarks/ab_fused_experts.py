@@ -65,9 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
-    p.add_argument("--dense-dot-gemvs", action="append", default=[], metavar="JSON",
-                   help="also time 16-bit weights on the direct schedule's tensor-core GEMVs (_gemv_dot), config "
-                        "dot_gemv_direct's with these overrides ('{}': as is); repeatable")
     p.add_argument("--routing-from", default=None, metavar="FILE",
                    help="also time the table config with the route() of this copy of kernels/_routing.py")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
@@ -166,26 +163,6 @@ def main(argv=None) -> int:
                                  torch.cuda.get_device_properties(0).multi_processor_count, args.quant,
                                  path="sorted" if table.path == "direct" else "direct")
         configs["other schedule"] = sanitize(other, torch.bfloat16, N, K, topk, args.quant)
-    for i, v in enumerate(args.dense_dot_gemvs):
-        from moe_extension.kernels._configs import dot_gemv_direct
-
-        pairs = fe.local_pairs(M, topk, w1.shape[0], expert_map) or M * topk
-        dot_cfg = apply(dot_gemv_direct(pairs, N, K, torch.cuda.get_device_properties(0).multi_processor_count,
-                                        "none"), json.loads(v))
-        configs[f"dense dot {i}"] = dot_cfg
-    if args.dense_dot_gemvs:
-        own_dot_gemvs = fe.WeightOperand.dot_gemvs
-
-        def with_dense_dot(fn):
-            def run(i):
-                # 16-bit dense weights on the tensor-core GEMVs for this call only (captured with the call, as above)
-                fe.WeightOperand.dot_gemvs = property(
-                    lambda w: own_dot_gemvs.fget(w) or (w.dense and w.w.element_size() == 2))
-                try:
-                    return fn(i)
-                finally:
-                    fe.WeightOperand.dot_gemvs = own_dot_gemvs
-            return run
     if args.op == "expert_gemm2":
         inter = [torch.randn(M, topk, N, dtype=torch.bfloat16, device=w2.device) for _ in range(n)]
         gemm2_args = {k: v for k, v in quant_args.items() if k != "w1_scale"}
@@ -198,9 +175,6 @@ def main(argv=None) -> int:
             return fused_experts_triton(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2], args.activation,
                                         config=c, expert_map=expert_map, pdl=pdl, **quant_args)
     runs = {name: (lambda i, c=c: call(c, i)) for name, c in configs.items()}
-    for name in configs:
-        if name.startswith("dense dot "):
-            runs[name] = with_dense_dot(runs[name])
     if args.no_pdl:
         runs["table, no PDL"] = lambda i: call(table, i, pdl=False)
     if args.persistent_pdl:
@@ -257,7 +231,8 @@ def main(argv=None) -> int:
     for name, c in configs.items():
         out = runs[name](0)
         same = torch.equal(out, ref)
-        err = "" if same else f" (max |diff| / max |table| {((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item():.1e})"
+        diff = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+        err = "" if same else f" (max |diff| / max |table| {diff.item():.1e})"
         print(f"  {name:14s} {c.path} block_m {c.block_m}  gemm1 {T.tile_name(c.gemm1)} | gemm2 {T.tile_name(c.gemm2)}"
               f"  bitwise equal to table: {same}{err}")
     for name in runs:

@@ -105,7 +105,7 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
 
     from moe_extension.kernels import fused_experts_triton
     from moe_extension.parallel import contiguous_expert_map
-    from moe_extension.kernels.fused_experts import local_tokens
+    from moe_extension.kernels.fused_experts import local_pairs, local_tokens
     from moe_extension.kernels._configs import _device_facts, get_config, heuristic_config, sanitize
 
     shape = ZOO[model]
@@ -127,8 +127,9 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
         sets = make_sets(torch, m, shape, gen)
         row = cell_row(torch, model, shape, m, sets, copy_bw, gemm_peak)
         m_cfg = local_tokens(m, e, emap)  # what the op chooses its config for (an expert-parallel shard: fewer)
-        table_cfg = get_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, w1.device)
-        heur_cfg = sanitize(heuristic_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, sms),
+        pairs = local_pairs(m, topk, e, emap)  # None but on a shard
+        table_cfg = get_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, w1.device, local_pairs=pairs)
+        heur_cfg = sanitize(heuristic_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, sms, local_pairs=pairs),
                             torch.bfloat16, n, k, topk)
         row["config"] = table_cfg.to_json()
         row["heuristic_is_table"] = heur_cfg == table_cfg

@@ -49,8 +49,14 @@ SORTED_BM32 = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 1
 # gemm2 in 16-row tiles of the 32-row blocks (tile_m): two programs per block.
 SORTED_ROWS = MoeConfig("sorted", 32, GemmConfig(16, 32, 4, 2), GemmConfig(32, 16, 4, 2, tile_m=16))
 DIRECT = MoeConfig("direct", 0, GemmConfig(8, 16, 4, 2), GemmConfig(4, 32, 4, 2))
+# The tensor-core GEMVs of ``_gemv_dot`` (GemmConfig.dot: what the heuristic runs on an expert-parallel shard): whole
+# reductions, and both reductions split (partials summed by the last program of each tile).
+DIRECT_DOT = MoeConfig("direct", 0, GemmConfig(32, 128, 4, 2, group_m=0, dot=True),
+                       GemmConfig(64, 128, 4, 2, group_m=0, dot=True))
+DIRECT_DOT_SPLIT = MoeConfig("direct", 0, GemmConfig(32, 128, 4, 2, group_m=0, split_k=2, dot=True),
+                             GemmConfig(64, 128, 4, 2, group_m=0, split_k=2, dot=True))
 CONFIGS = {"sorted": SORTED, "sorted_split": SORTED_SPLIT, "sorted_bm32": SORTED_BM32, "sorted_rows": SORTED_ROWS,
-           "direct": DIRECT}
+           "direct": DIRECT, "direct_dot": DIRECT_DOT, "direct_dot_split": DIRECT_DOT_SPLIT}
 
 
 def _case(M, topk, E, K, N, dtype, *, bias=False, emap=False, on_input=False, transposed=False, invalid=0.15,
@@ -81,6 +87,13 @@ FUSED_CASES = [
     ("direct", "gelu", 0, 1, 2, 4, 24, 40, dict(transposed=True)),
     ("direct", "gelu_tanh", 1, 3, 2, 8, 32, 24, dict(emap=True)),
     ("direct", "swiglustep", 0, 1, 6, 7, 40, 16, dict(bias=True)),
+    # tensor-core GEMVs (16-bit: fp16 in the interpreter, whose bf16 dot is wrong): K and N past one 128-column step
+    # and with tails, every activation, bias, router weight on the input, an expert_map with ids of other ranks
+    ("direct_dot", "silu", 1, 2, 3, 6, 200, 72, dict(bias=True, emap=True)),
+    ("direct_dot", "swigluoai", 1, 1, 4, 5, 64, 136, dict(bias=True, on_input=True)),
+    ("direct_dot_split", "gelu", 1, 3, 2, 4, 264, 160, dict(emap=True, on_input=True)),
+    ("direct_dot_split", "gelu_tanh", 1, 2, 3, 8, 256, 256, dict(bias=True)),
+    ("direct_dot_split", "swiglustep", 1, 1, 6, 7, 136, 200, dict(bias=True, emap=True, transposed=True)),
 ]
 
 
@@ -102,7 +115,34 @@ def test_default_configs(dtype, M):
     assert_close(out, fused_experts_reference(x, w1, w2, g, ids, "swigluoai", **kw), tolerance(dtype, DEVICE))
 
 
-@pytest.mark.parametrize("cfg", ["sorted", "direct"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("M", [1, 2])
+def test_default_configs_on_a_shard(dtype, M):
+    """config=None on an expert-parallel shard (an expert_map over 4x the experts held, most slots elsewhere): the
+    heuristic's direct schedule on the tensor-core GEMVs for 16-bit weights (the FMA GEMVs' sorted fallback for
+    fp32), against the reference; calls whose routings hit none of the local experts give exactly 0."""
+    E, topk, K, N = 6, 4, 200, 72
+    torch.manual_seed(M)
+    ex = random_experts(E, K, N, dtype=dtype, device=DEVICE, bias=True)
+    emap = random_expert_map(4 * E, E, device=DEVICE)
+    kw = dict(w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"], expert_map=emap)
+    cfg = fe.select_config(M, torch.empty(M, K, dtype=dtype), fe.WeightOperand.of(ex["w1"]),
+                           fe.WeightOperand.of(ex["w2"]), topk, None, "none", emap)
+    assert (cfg.path, cfg.gemm1.dot, cfg.gemm2.dot) == (("direct", True, True) if dtype != torch.float32 else
+                                                        ("sorted", False, False))
+    for _ in range(3):
+        g, ids = random_routing(M, 4 * E, topk, invalid=0.1, device=DEVICE)
+        x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+        out = fused_experts_triton(x, ex["w1"], ex["w2"], g, ids, "silu", **kw)
+        assert_close(out, fused_experts_reference(x, ex["w1"], ex["w2"], g, ids, "silu", **kw),
+                     tolerance(dtype, DEVICE))
+    elsewhere = torch.nonzero(emap.cpu() < 0).flatten()
+    ids = elsewhere[torch.randint(0, elsewhere.numel(), (M, topk))].to(torch.int32).to(DEVICE)  # no slot here
+    out = fused_experts_triton(torch.randn(M, K, dtype=dtype, device=DEVICE), ex["w1"], ex["w2"], g, ids, "silu", **kw)
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("cfg", ["sorted", "direct", "direct_dot_split"])
 @pytest.mark.parametrize("on_input", [False, True])
 def test_unfused_gemms_match_reference(cfg, on_input):
     dtype = CASE_DTYPES[1]
@@ -680,15 +720,19 @@ def test_direct_heuristic_second_gemv_rows():
 
 def test_local_tokens_of_an_expert_parallel_shard(monkeypatch):
     """With an expert_map over more experts than the weights hold, the config is chosen for the tokens whose
-    slots are as many as the local share of M's (uniform routing): M * E / E_global, at least 2 (also at M = 1:
-    a shard takes the sorted schedule, not the direct one whose grid covers every pair)."""
+    slots are as many as the local share of M's (uniform routing): M * E / E_global, at least 2 where the direct
+    schedule's GEMVs are the FMA ones (also at M = 1: a shard takes the sorted schedule, not those, whose tiles span
+    every slot), at least 1 where they are the tensor-core ones."""
     shard = torch.full((256,), -1, dtype=torch.int32)
     assert fe.local_tokens(4096, 32, None) == 4096 and fe.local_tokens(4096, 32, torch.arange(32)) == 4096
     assert fe.local_tokens(4096, 32, shard) == 512 and fe.local_tokens(100, 32, shard) == 12
-    assert fe.local_tokens(1, 32, shard) == 2 and fe.local_tokens(8, 32, shard) == 2
-    # fp8 block: floor 1, the direct schedule (its tensor-core GEMVs) for shards of few local tokens
-    assert fe.local_tokens(1, 32, shard, "fp8_block") == 1 and fe.local_tokens(8, 32, shard, "fp8_block") == 1
-    assert fe.local_tokens(4096, 32, shard, "fp8_block") == 512
+    # floor 2 where the shard's direct schedule would run the FMA GEMVs (fp32 weights, MXFP4's checkpoint layout)
+    assert fe.local_tokens(1, 32, shard, esize=4) == 2 and fe.local_tokens(8, 32, shard, esize=4) == 2
+    assert fe.local_tokens(1, 32, shard, "mxfp4", 1) == 2
+    # floor 1 where it runs the tensor-core GEMVs: the direct schedule for shards of few local tokens
+    for quant, esize in (("none", 2), ("fp8_block", 1), ("mxfp4_mma", 1)):
+        assert fe.local_tokens(1, 32, shard, quant, esize) == 1 and fe.local_tokens(8, 32, shard, quant, esize) == 1
+        assert fe.local_tokens(4096, 32, shard, quant, esize) == 512
     assert fe.local_tokens(1, 32, None) == 1
     asked = []
     monkeypatch.setattr(fe, "get_config", lambda M, *args: asked.append(M) or configs.get_config(M, *args))
@@ -698,6 +742,37 @@ def test_local_tokens_of_an_expert_parallel_shard(monkeypatch):
     cfg = fe.select_config(64, x, fe.WeightOperand.of(w1), fe.WeightOperand.of(w2), 2, None, "none",
                            torch.full((32,), -1, dtype=torch.int32))
     assert asked == [8] and cfg == configs.get_config(8, 4, 16, 32, 2, torch.bfloat16, True, True, x.device)
+
+
+def test_shard_direct_configs_run_the_tensor_core_gemvs():
+    """DeepSeek-V3's shard of 32 of 256 experts in bf16 at M = 1 (one local pair expected): the heuristic's direct
+    schedule on the tensor-core GEMVs, splits sized for that pair; the same shape without a shard keeps the FMA
+    GEMVs. sanitize keeps ``dot`` for 16-bit dense direct configs (clamping their tiles to whole MMAs in 128-column
+    steps that fit shared memory) and clears it elsewhere (the formats that always run those GEMVs take their tiles
+    without it)."""
+    dev = torch.device("cpu")
+    shard = configs.get_config(1, 32, 2048, 7168, 8, torch.bfloat16, True, True, dev, local_pairs=1)
+    assert shard == configs.sanitize(configs.dot_gemv_direct(1, 2048, 7168, 132, "none"), torch.bfloat16, 2048, 7168,
+                                     8)
+    assert shard.path == "direct" and shard.gemm1.dot and shard.gemm2.dot
+    assert (shard.gemm1.block_n, shard.gemm1.block_k, shard.gemm1.split_k) == (64, 128, 8)
+    assert (shard.gemm2.block_n, shard.gemm2.split_k) == (128, 4)
+    plain = configs.get_config(1, 32, 2048, 7168, 8, torch.bfloat16, True, True, dev)
+    assert plain.path == "direct" and not plain.gemm1.dot and not plain.gemm2.dot
+    fp32 = configs.get_config(2, 32, 2048, 7168, 8, torch.float32, True, True, dev, local_pairs=2)
+    assert not fp32.gemm1.dot and not fp32.gemm2.dot
+    odd = MoeConfig("direct", 0, GemmConfig(8, 32, 8, 6, split_k=64, dot=True), GemmConfig(512, 16, 8, 6, dot=True))
+    c = configs.sanitize(odd, torch.float16, 200, 72, 4)
+    assert (c.gemm1.block_n, c.gemm1.block_k, c.gemm1.num_warps, c.gemm1.split_k) == (32, 128, 4, 1)
+    assert (c.gemm2.block_n, c.gemm2.block_k, c.gemm2.num_warps, c.gemm2.split_k) == (256, 128, 8, 1)
+    for g, rows in ((c.gemm1, 64), (c.gemm2, 256)):
+        assert g.dot and configs.gemv_smem(g.num_stages, rows, "none") <= configs.SMEM_BUDGET
+    assert not any(g.dot for g in (configs.sanitize(odd, torch.float32, 200, 72, 4).gemm1,
+                                   configs.sanitize(dataclasses.replace(odd, path="sorted", block_m=16),
+                                                    torch.float16, 200, 72, 4).gemm2))
+    mma = configs.sanitize(odd, torch.bfloat16, 2880, 2880, 4, "mxfp4_mma")
+    assert not mma.gemm1.dot and (mma.gemm1.block_n, mma.gemm1.block_k) == (64, 128)
+    assert not configs.sanitize(odd, torch.bfloat16, 2880, 2880, 4, "mxfp4").gemm2.dot
 
 
 def test_table_lookup(tmp_path, monkeypatch):

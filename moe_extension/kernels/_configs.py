@@ -97,6 +97,11 @@ class GemmConfig:
     # block_m / tile_m programs (super-grouped order, group_m >= 1), so that a short reduction (few steps per tile)
     # has smaller tiles, on fewer warps, several to an SM, whose loads overlap each other's epilogues.
     tile_m: int = 0
+    # Direct path, 16-bit dense weights: this GEMM's GEMV on tensor cores (``_gemv_dot``; the heuristic's choice on
+    # an expert-parallel shard, ``shard_dot_gemvs``) instead of the FMA GEMV of ``_grouped_gemm``. The formats of
+    # DOT_GEMV_QUANTS always run the tensor-core GEMVs and leave it False (``sanitize`` clears it but for 16-bit
+    # dense weights on the direct path).
+    dot: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,13 +177,16 @@ def get_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dtype, w1
     NOTE: memoized: eager forwards pay a dict lookup, not the table search and sanitizing (~tens of us).
     """
     name, sms = _device_facts(device)
+    shard = local_pairs is not None
     per_m = _load_table(name).get(table_key(E, N, K, topk, dtype, w1_row, w2_row, quant), {})
     # A direct-path entry tuned at a smaller M does not carry over to an M where pairs share experts.
     usable = [b for b, c in per_m.items()
               if not (c.path == "direct" and M > b and not use_direct(M, E, topk, quant))]
     cfg = per_m[_nearest_bucket(usable, M)] if usable else None
-    if cfg is None or (cfg.path == "direct" and local_pairs is not None and quant in DOT_GEMV_QUANTS):
-        # (the tuner's pairs are all local: a tensor-core GEMV entry's splits do not carry over to a shard's few)
+    esize = torch.empty((), dtype=dtype).element_size()
+    if cfg is None or (cfg.path == "direct" and shard and shard_dot_gemvs(quant, esize)):
+        # (the tuner's pairs are all local: a tensor-core GEMV entry's splits do not carry over to a shard's few, and
+        # a 16-bit entry's GEMVs are the FMA ones)
         cfg = heuristic_config(M, E, N, K, topk, dtype, w1_row, w2_row, sms, quant,
                                path=None if cfg is None else "direct", local_pairs=local_pairs)
     return sanitize(cfg, dtype, N, K, topk, quant)
@@ -228,9 +236,9 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     esize = torch.empty((), dtype=dtype).element_size()
     P = M * topk
     direct = use_direct(M, E, topk, quant) if path is None else path == "direct"
-    if quant in DOT_GEMV_QUANTS and direct:
+    if direct and (quant in DOT_GEMV_QUANTS or (local_pairs is not None and shard_dot_gemvs(quant, esize))):
         return dot_gemv_direct(P if local_pairs is None else max(1, local_pairs), N, K, num_sms, quant)
-    if direct and quant not in DOT_GEMV_QUANTS:
+    if direct:
         # NOTE: MXFP4 tiles hold twice the elements (4 KB of packed codes per step, half the bytes of a bf16
         # tile): the same bytes in flight per program.
         return _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms,
@@ -446,8 +454,25 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     return g1, g2
 
 
-# Weight formats whose direct schedule runs the tensor-core GEMVs of ``_gemv_dot`` (``WeightOperand.dot_gemvs``).
+# Weight formats whose direct schedule always runs the tensor-core GEMVs of ``_gemv_dot`` (``GemmConfig.dot``).
 DOT_GEMV_QUANTS = ("mxfp4_mma", "fp8_block")
+
+
+def shard_dot_gemvs(quant: str, esize: int) -> bool:
+    """Whether the direct schedule of an expert-parallel shard (an expert_map over more experts than held) runs the
+    tensor-core GEMVs of ``_gemv_dot`` rather than the FMA GEMVs of ``_grouped_gemm``: the formats of DOT_GEMV_QUANTS
+    (always, shard or not) and 16-bit dense weights (``esize`` 2), whose few local pairs the FMA GEMVs' tiles of all
+    a token's slots leave mostly empty, while the tensor-core GEMVs' programs of other pairs exit and their split
+    reductions spread the local pairs' weights over the GPU.
+    NOTE: H200, silu, CUDA-graph medians of 5 interleaved rounds over 8 routings (benchmarks/results/
+    ab_dense_dot_gemvs_h200.txt, the commands there; the shard's config is now this one, which ``python
+    benchmarks/ab_fused_experts.py --model deepseek-v3 --local-experts 32 --tokens 1 --activation silu
+    --other-schedule`` times against the sorted schedule's): DeepSeek-V3's shard
+    of 32 of 256 experts, bf16, tensor-core GEMVs against the sorted schedule the op ran (and the FMA GEMVs): M = 1
+    40.6 against 49.9 us (62.5), M = 2 56.3 against 65.9 (108.7), M = 4 94.4 against 94.3 (207.8). Without a shard
+    the FMA GEMVs were as fast or faster at M = 1 in all 6 models tried, e.g. qwen3-next-80b-a3b-tp2 15.7 against
+    19.4 us, llama-4-scout 64.6 against 67.3, qwen3-235b-a22b-tp4 28.1 against 28.2: the heuristic keeps them there."""
+    return quant in DOT_GEMV_QUANTS or (quant == "none" and esize == 2)
 
 
 # NOTE: shared memory of an SM on Hopper (sm_90), for how many direct GEMV programs one SM holds at once.
@@ -455,11 +480,12 @@ SM_SHARED_MEMORY = 228 * 1024
 
 
 def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp4_mma") -> MoeConfig:
-    """The direct schedule of the formats of DOT_GEMV_QUANTS (``_gemv_dot``: no routing, per-pair tensor-core GEMVs)
-    for ``pairs`` (token, slot) pairs on these experts (the programs of other pairs exit at once): 128 weight rows on
-    4 warps per tile (gemm1: 64 columns of gate and up), 128-column steps; fp8 block: gemm1 128 columns (256 rows,
-    see ``fp8_gemv_tiles``), gemm2 64 rows in 4 stages. Each reduction splits in two while twice its programs still
-    fit on the GPU at once: per SM as many as their pipelined tiles' shared memory allows (``gemv_smem``), at most
+    """The direct schedule on the tensor-core GEMVs (``_gemv_dot``: no routing, per-pair GEMVs; ``GemmConfig.dot``;
+    quant "none": 16-bit dense weights, ``shard_dot_gemvs``) for ``pairs`` (token, slot) pairs on these experts (the
+    programs of other pairs exit at once): 128 weight rows on 4 warps per tile (gemm1: 64 columns of gate and up),
+    128-column steps, 3 stages (16-bit dense: 4 stages or 64-row tiles were slower, ``shard_dot_gemvs``'s A/B); fp8
+    block: gemm1 128 columns (256 rows, see ``fp8_gemv_tiles``), gemm2 64 rows in 4 stages. Each reduction splits in
+    two while twice its programs still fit on the GPU at once: per SM as many as their pipelined tiles' shared memory allows (``gemv_smem``), at most
     4, so that every program streams from the start and none waits for a second wave.
     NOTE: the rule gives the tuner's picks on the H100 (``python benchmarks/tune_fused_experts.py --quant mxfp4_mma
     --tokens 1``, gpt-oss-120b M = 1: gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1);
@@ -480,11 +506,12 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
         return dataclasses.replace(g, split_k=s)
 
     bn1 = 128 if fp8 else 64
-    g1 = split(GemmConfig(block_n=bn1, block_k=128, num_warps=4, num_stages=3, group_m=0), 2 * bn1,
+    dense = quant == "none"
+    g1 = split(GemmConfig(block_n=bn1, block_k=128, num_warps=4, num_stages=3, group_m=0, dot=dense), 2 * bn1,
                pairs * math.ceil(N / bn1), K)
     bn2 = 64 if fp8 else 128
-    g2 = split(GemmConfig(block_n=bn2, block_k=128, num_warps=4, num_stages=4 if fp8 else 3, group_m=0), bn2,
-               pairs * math.ceil(K / bn2), N)
+    g2 = split(GemmConfig(block_n=bn2, block_k=128, num_warps=4, num_stages=4 if fp8 else 3, group_m=0, dot=dense),
+               bn2, pairs * math.ceil(K / bn2), N)
     return MoeConfig("direct", 0, g1, g2)
 
 
@@ -553,9 +580,15 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
     MXFP4 weights: block_k of at least one scale group (32) and tiles of at least 4 packed bytes per thread
     (``mxfp4_tiles``), pointer loads of the weights and no persistent GEMMs (both need 16-bit weights).
     fp8 block: ``fp8_tiles`` (sorted) and ``fp8_gemv_tiles`` (direct), whole 128-column scale blocks per step,
-    block_m up to ``fp8_max_block_m``, no persistent GEMMs. A persistent gemm1 runs no tail tiles (tail_m 0)."""
+    block_m up to ``fp8_max_block_m``, no persistent GEMMs. A persistent gemm1 runs no tail tiles (tail_m 0).
+    The direct schedule's tensor-core GEMVs (the formats of DOT_GEMV_QUANTS, and 16-bit dense weights with
+    ``GemmConfig.dot``, which is cleared for the others and on the sorted path): 128-column steps, tiles of whole
+    MMAs (``mxfp4_mma_tiles``, ``fp8_gemv_tiles``, ``dense_gemv_tiles``)."""
     esize = torch.empty((), dtype=dtype).element_size()
     g1, g2 = cfg.gemm1, cfg.gemm2
+    if not (cfg.path == "direct" and quant == "none" and esize == 2):
+        g1, g2 = dataclasses.replace(g1, dot=False), dataclasses.replace(g2, dot=False)
+    dot1, dot2 = (g.dot or quant in DOT_GEMV_QUANTS for g in (g1, g2))
     if quant == "mxfp4":
         # The pipelined budget counts weight tiles as if 16-bit: an upper bound of the packed tiles plus the
         # decoded tile the dot reads.
@@ -599,23 +632,31 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
             g1, g2 = fp8_tiles(g1, bm, 2, a_esize), fp8_tiles(g2, g2.tile_m or bm, 1, a_esize)
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / 128))))
         return MoeConfig("sorted", bm, g1, g2)
-    if quant in DOT_GEMV_QUANTS:
-        # The direct tensor-core GEMVs (``_gemv_dot``): 16 A rows, splits of whole steps; MXFP4 in the MMA layout the
-        # sorted tiles' rule, fp8 block ``fp8_gemv_tiles``.
-        g1, g2 = (dataclasses.replace(g, block_n=min(cap, triton_next_pow2(g.block_n)), tail_m=0, tma_a=False)
-                  for g, cap in ((g1, 128), (g2, 256)))
+    def tensor_core_gemv(g: GemmConfig, row_mult: int, reduction: int, cap: int) -> GemmConfig:
+        # ``_gemv_dot``: 16 A rows, splits of whole steps; MXFP4 in the MMA layout the sorted tiles' rule, fp8 block
+        # ``fp8_gemv_tiles``, 16-bit dense ``dense_gemv_tiles``.
+        g = dataclasses.replace(g, block_n=min(cap, triton_next_pow2(g.block_n)), tail_m=0, tma_a=False)
         if quant == "mxfp4_mma":
-            g1, g2 = mxfp4_mma_tiles(g1, 2, 16, a_esize), mxfp4_mma_tiles(g2, 1, 16, a_esize)
+            g = mxfp4_mma_tiles(g, row_mult, 16, a_esize)
+        elif quant == "fp8_block":
+            g = fp8_gemv_tiles(g, row_mult, a_esize if row_mult == 2 else 1)
         else:
-            g1, g2 = fp8_gemv_tiles(g1, 2, a_esize), fp8_gemv_tiles(g2, 1, 1)
-        g1 = dataclasses.replace(g1, split_k=max(1, min(g1.split_k, math.ceil(K / g1.block_k))))
-        g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / g2.block_k))))
-        return MoeConfig("direct", 0, g1, g2)
-    g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False, persistent=False), 0, 2, 1, esize)
-    g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False, persistent=False), 0,
-              triton_next_pow2(topk), 1, esize)
-    if quant == "mxfp4":
-        g1, g2 = mxfp4_tiles(g1, 1, K), mxfp4_tiles(g2, triton_next_pow2(topk), N)
+            g = dense_gemv_tiles(g, row_mult)
+        return dataclasses.replace(g, split_k=max(1, min(g.split_k, math.ceil(reduction / g.block_k))))
+
+    if dot1:
+        g1 = tensor_core_gemv(g1, 2, K, 128)
+    else:
+        g1 = _fit(dataclasses.replace(g1, split_k=1, tail_m=0, tma_a=False, persistent=False), 0, 2, 1, esize)
+        if quant == "mxfp4":
+            g1 = mxfp4_tiles(g1, 1, K)
+    if dot2:
+        g2 = tensor_core_gemv(g2, 1, N, 256)
+    else:
+        g2 = _fit(dataclasses.replace(g2, split_k=1, tail_m=0, tma_a=False, persistent=False), 0,
+                  triton_next_pow2(topk), 1, esize)
+        if quant == "mxfp4":
+            g2 = mxfp4_tiles(g2, triton_next_pow2(topk), N)
     return MoeConfig("direct", 0, g1, g2)
 
 
@@ -648,6 +689,19 @@ def fp8_gemv_tiles(g: GemmConfig, row_mult: int, a_esize: int) -> GemmConfig:
         return stages * (16 * a_esize + row_mult * bn) * 128
 
     while smem() > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    return dataclasses.replace(g, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, tma_weights=False,
+                               persistent=False)
+
+
+def dense_gemv_tiles(g: GemmConfig, row_mult: int) -> GemmConfig:
+    """A 16-bit dense tile of the direct tensor-core GEMVs (``_gemv_dot``): block_k = 128, at least 64 weight rows
+    (gemm1, ``row_mult`` 2: block_n >= 32; a warpgroup's MMA takes 64), 8 warps only for 256 rows, stages (at least
+    2) whose tiles fit SMEM_BUDGET (``gemv_smem``)."""
+    bn = max(g.block_n, 64 // row_mult)
+    warps = 8 if g.num_warps >= 8 and row_mult * bn >= 256 else 4
+    stages = max(2, g.num_stages)
+    while gemv_smem(stages, row_mult * bn, "none") > SMEM_BUDGET and stages > 2:
         stages -= 1
     return dataclasses.replace(g, block_n=bn, block_k=128, num_warps=warps, num_stages=stages, tma_weights=False,
                                persistent=False)

@@ -1,6 +1,8 @@
 """Direct (per-pair, no routing) expert GEMVs with tensor-core steps and a split reduction: the decode schedule of
 the weight formats of ``WeightOperand.dot_gemvs``: MXFP4 in the MMA layout (``WFMT_MXFP4_MMA``, whose tiles only go
-through tensor cores) and fp8 block (``WFMT_FP8_BLOCK``: e4m3 tiles into the fp8 MMA, no dequantization).
+through tensor cores) and fp8 block (``WFMT_FP8_BLOCK``: e4m3 tiles into the fp8 MMA, no dequantization); and of
+16-bit dense weights where the config says so (``GemmConfig.dot``: the heuristic's choice on an expert-parallel
+shard, ``_configs.shard_dot_gemvs``).
 
 Pairs ``p = t * topk + j`` of token ``t`` and slot ``j``; ``e`` = local expert of the slot (``_routing.local_expert``);
 weights ``[E, out, in]`` in the format ``WFMT`` (``_weight_formats``). A program multiplies one tile of weight rows

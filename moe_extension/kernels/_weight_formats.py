@@ -40,9 +40,9 @@ offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers o
 ``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
 ``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_finish`` (the accumulator after the last
 tensor-core step), and for the direct schedule's GEMVs either ``dot_step_t`` (the transposed tensor-core step of
-``_gemv_dot``: MXFP4 in the MMA layout, fp8 block) or ``fma_step`` (dense, MXFP4: elementwise products into a
-``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel at the
-end). A new format adds a branch to each, its scale arguments and its tests.
+``_gemv_dot``: MXFP4 in the MMA layout, fp8 block, 16-bit dense) or ``fma_step`` (dense, MXFP4: elementwise products
+into a ``[..., R, BLOCK_K]`` fp32 tile, ``[..., R, BLOCK_K / 2]`` for MXFP4, reduced over its last dim by the kernel
+at the end). A new format adds a branch to each, its scale arguments and its tests.
 
 ``PTX`` (constexpr): True on the GPU: decode MXFP4 codes with inline PTX (``_E2M1X4_ASM``; sm_80+, bf16x2
 FMAs) and apply the scales by a bf16 multiply; round to fp8 with the hardware conversion. False, for Triton's
@@ -568,10 +568,11 @@ def dot_step_t(acc_t, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BL
                WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr, A_Q: tl.constexpr):
     """``acc_t [R, BM] += W[rows, k step] a^T``, ``a [BM, BLOCK_K]``: the transposed tensor-core step, the tile's R
     weight rows as the MMA's M and the BM tokens as its N (16 suffice), for the formats whose GEMVs run on tensor
-    cores (``_gemv_dot``; ``weight_ptrs`` without ``TRANS``). MXFP4 in the MMA layout (every step of it): the
-    decoded tile is the register operand. fp8 block (BLOCK_K = 128, a weight scale per row): ``a`` quantized here,
-    or with A_Q e4m3 already with ``a_scale`` its scale (one row: a scalar); the block's product scaled by the weight
-    scale of its row and the activation scale of its token.
+    cores (``_gemv_dot``; ``weight_ptrs`` without ``TRANS``). 16-bit dense: the tile as loaded (from shared memory),
+    ``a`` in the weights' dtype. MXFP4 in the MMA layout (every step of it): the decoded tile is the register operand.
+    fp8 block (BLOCK_K = 128, a weight scale per row): ``a`` quantized here, or with A_Q e4m3 already with ``a_scale``
+    its scale (one row: a scalar); the block's product scaled by the weight scale of its row and the activation
+    scale of its token.
     NOTE: fp8 in the untransposed form (``dot_tile`` with 16 token rows) ran mma.sync in fp16 and spilled (Triton
     3.6, sm_90, ptxas -v: 255 registers, 764 B of spills at 128 weight rows); transposed it is a wgmma with the
     weights read from shared memory."""

@@ -58,7 +58,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
-from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major, shard_dot_gemvs
 from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
                                            sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
@@ -90,18 +90,25 @@ def select_config(M: int, hidden_states: torch.Tensor, w1: WeightOperand, w2: We
     if config is not None:
         return config
     E, two_n, K = w1.shape
-    return get_config(local_tokens(M, E, expert_map, quant), E, two_n // 2, K, topk, hidden_states.dtype,
+    return get_config(local_tokens(M, E, expert_map, quant, w1.w.element_size()), E, two_n // 2, K, topk,
+                      hidden_states.dtype,
                       is_row_major(w1.w), is_row_major(w2.w), hidden_states.device, quant,
                       local_pairs(M, topk, E, expert_map))
 
 
-def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "none") -> int:
-    """The token count a config is chosen for: M, or with an ``expert_map`` over more experts than the E held here
-    (an expert-parallel shard) M * E / E_global, at least 2: under uniform routing that share of the slots is
-    local, so the local experts see the rows of that many tokens with every slot local (shapes only). The floor
-    of 2 keeps a shard off the direct schedule, whose grid covers all M * topk pairs, most of them not local;
-    fp8 block's floor is 1: its direct tensor-core GEMVs (``_gemv_dot``) split the local pairs' reductions over
-    the GPU, where its sorted first GEMM has only N / 128 tiles per expert.
+def is_shard(E: int, expert_map: torch.Tensor | None) -> bool:
+    """Whether a call holds an expert-parallel shard: an ``expert_map`` over more experts than the E held here."""
+    return expert_map is not None and expert_map.numel() > E
+
+
+def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "none", esize: int = 2) -> int:
+    """The token count a config is chosen for: M, or on an expert-parallel shard (``is_shard``) M * E / E_global,
+    at least 2: under uniform routing that share of the slots is local, so the local experts see the rows of that
+    many tokens with every slot local (shapes only). The floor of 2 keeps a shard off the direct schedule of the FMA
+    GEMVs, whose grid covers all M * topk pairs, most of them not local, and whose tiles span all a token's slots;
+    where a shard's direct schedule runs the tensor-core GEMVs (``_configs.shard_dot_gemvs``: fp8 block, MXFP4 in the
+    MMA layout, 16-bit dense weights of ``esize`` 2) the floor is 1: those split the local pairs' reductions over the
+    GPU, where the sorted first GEMM has only its N tiles per expert (``shard_dot_gemvs`` has the 16-bit A/B).
     NOTE: DeepSeek-V3's 32-expert shard of 256 (bf16, ``python benchmarks/bench_zoo.py --models deepseek-v3-ep8``)
     on the H100, ours / floor before -> after this and ``_configs.dense_sorted_tiles`` together (not measured
     apart): M = 8 1.09 -> 1.06, 64 1.03 -> 0.99, 512 1.06 -> 1.02, 2048 1.18 -> 1.17, 8192 2.15 -> 1.62. M = 8
@@ -114,16 +121,16 @@ def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "
     config at 1 token) against the sorted one (its config at 2), CUDA-graph medians over 8 random routings: M = 1
     25.1 against 40.7 us, M = 4 69.1 against 84.6 (a scratch A/B of the two configs through
     ``fused_experts_triton(config=...)``; the figures of the op: the shard's cells of bench_fused_experts_fp8.py)."""
-    if expert_map is None or expert_map.numel() <= E:
+    if not is_shard(E, expert_map):
         return M
-    return max(1 if quant == "fp8_block" else 2, round(M * E / expert_map.numel()))
+    return max(1 if shard_dot_gemvs(quant, esize) else 2, round(M * E / expert_map.numel()))
 
 
 def local_pairs(M: int, topk: int, E: int, expert_map: torch.Tensor | None) -> int | None:
-    """The (token, slot) pairs expected on the E experts held here: None (all M * topk) without an ``expert_map``
-    over more experts than E, else M * topk * E / E_global (uniform routing), at least 1. Sizes the direct
+    """The (token, slot) pairs expected on the E experts held here: None (all M * topk) unless the call holds an
+    expert-parallel shard (``is_shard``), else M * topk * E / E_global (uniform routing), at least 1. Sizes the direct
     tensor-core GEMVs' split reductions (``_configs.dot_gemv_direct``), whose programs of other pairs exit at once."""
-    if expert_map is None or expert_map.numel() <= E:
+    if not is_shard(E, expert_map):
         return None
     return max(1, round(M * topk * E / expert_map.numel()))
 
@@ -392,7 +399,8 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
            lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None,
            x_scale: torch.Tensor | None = None, pdl: bool = False):
-    """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``):
+    """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``, or
+    16-bit dense weights with ``cfg.dot``):
     ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
     the LoRA expand added in the epilogue (``kernels.lora.FusedExpand``). fp8 block: x quantized up front
     (``quantize_fp8_rows``) unless the router weights scale it (``weights``: g x is quantized per pair, per step);
@@ -405,7 +413,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
     M, topk = topk_ids.shape
     n_out = two_n if act == kern.ACT_NONE else two_n // 2
     has_map = expert_map is not None
-    if w1.dot_gemvs:
+    if w1.dot_gemvs or cfg.dot:
         if w1.fmt == WFMT_FP8_BLOCK and weights is None and x_scale is None:
             # NOTE: quantized in the GEMV's steps instead (the row as a 16-row tile), the DeepSeek-V3 layer's gemv1
             # took 202.5 us at M = 1 on the H100 (1.16 TB/s; ncu: issue-bound, 2 warps per scheduler; a scratch
@@ -465,7 +473,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
     else:
         stride_ot, stride_oj, stride_on = out.stride(0), out.stride(1), out.stride(2)
     slots = next_power_of_2(topk) if sum_slots else 1
-    if w2.dot_gemvs:
+    if w2.dot_gemvs or cfg.dot:
         if w2.fmt == WFMT_FP8_BLOCK and a_scale is None:
             q, a_scale = quantize_fp8_rows(a.reshape(M * topk, N), w2.ue8m0)
             a = q.view(M, topk, N)
@@ -542,15 +550,17 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             a_scale = torch.empty((M * topk, cdiv(N, 128)), dtype=torch.float32, device=dev) if fp8 else None
             c1 = c2 = None
             x, x_scale = hidden_states, None
-            if w1.dot_gemvs:  # both GEMVs' counters zeroed by one launch: with fp8's quantization of x, or alone
-                n1 = _gemv1_dot_counters(M * topk, N, K, cfg.gemm1)
-                c1 = torch.empty((max(1, n1 + _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True)),),
-                                 dtype=torch.int32, device=dev)
+            dot1, dot2 = w1.dot_gemvs or cfg.gemm1.dot, w2.dot_gemvs or cfg.gemm2.dot
+            if dot1 or dot2:
+                # both tensor-core GEMVs' counters zeroed by one launch: with fp8's quantization of x, or alone
+                n1 = _gemv1_dot_counters(M * topk, N, K, cfg.gemm1) if dot1 else 0
+                n2 = _gemv2_dot_counters(M, topk, K, N, cfg.gemm2, True) if dot2 else 0
+                cnt = torch.empty((max(1, n1 + n2),), dtype=torch.int32, device=dev)
                 if fp8 and w_in is None:
-                    x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0, zero=c1, trigger=pdl)
+                    x, x_scale = quantize_fp8_rows(hidden_states, w1.ue8m0, zero=cnt, trigger=pdl)
                 else:
-                    c1.zero_()
-                c2 = c1[n1:] if c1.numel() > n1 else c1
+                    cnt.zero_()
+                c1, c2 = cnt[:max(1, n1)], cnt[n1:] if n2 else cnt
             # With PDL only after the quantization, which lets gemv1 launch at once (see the NOTE in the docstring).
             dot_pdl = pdl and fp8 and w_in is None
             _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit, cfg.gemm1, c1,
@@ -612,8 +622,8 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     h = torch.zeros((M, topk, two_n), dtype=dtype, device=dev)
     if h.numel() == 0 or E == 0:
         return h
-    cfg = config or get_config(local_tokens(M, E, expert_map, quant), E, two_n // 2, K, topk, dtype, is_row_major(w1.w),
-                               True, dev, quant, local_pairs(M, topk, E, expert_map))
+    cfg = config or get_config(local_tokens(M, E, expert_map, quant, w1.w.element_size()), E, two_n // 2, K, topk,
+                               dtype, is_row_major(w1.w), True, dev, quant, local_pairs(M, topk, E, expert_map))
     h_rows = h.view(M * topk, two_n)
     pdl = pdl_capable(dev)
     with device_guard(dev):
@@ -666,8 +676,8 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
     if y.numel() == 0 or E == 0:
         return y
     if config is None:
-        config = get_config(local_tokens(M, E, expert_map, quant), E, N, K, topk, dtype, True, is_row_major(w2.w), dev,
-                            quant, local_pairs(M, topk, E, expert_map))
+        config = get_config(local_tokens(M, E, expert_map, quant, w2.w.element_size()), E, N, K, topk, dtype, True,
+                            is_row_major(w2.w), dev, quant, local_pairs(M, topk, E, expert_map))
     pdl = pdl_capable(dev)
     with device_guard(dev):
         if config.path == "direct":
