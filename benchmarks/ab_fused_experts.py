@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     if args.other_schedule:
         from moe_extension.kernels._configs import heuristic_config, sanitize
 
-        lt = fe.local_tokens(M, w1.shape[0], expert_map, args.quant)
+        lt = fe.local_tokens(M, w1.shape[0], expert_map, args.quant, topk=topk)
         other = heuristic_config(lt, w1.shape[0], N, K, topk, torch.bfloat16, True, True,
                                  torch.cuda.get_device_properties(0).multi_processor_count, args.quant,
                                  path="sorted" if table.path == "direct" else "direct")

@@ -126,7 +126,7 @@ def run_model(torch, harness, model: str, args, peers: dict, copy_bw: float, gem
     for m in args.tokens:
         sets = make_sets(torch, m, shape, gen)
         row = cell_row(torch, model, shape, m, sets, copy_bw, gemm_peak)
-        m_cfg = local_tokens(m, e, emap)  # what the op chooses its config for (an expert-parallel shard: fewer)
+        m_cfg = local_tokens(m, e, emap, topk=topk)  # what the op chooses its config for (a shard: fewer)
         pairs = local_pairs(m, topk, e, emap)  # None but on a shard
         table_cfg = get_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, w1.device, local_pairs=pairs)
         heur_cfg = sanitize(heuristic_config(m_cfg, e, n, k, topk, torch.bfloat16, True, True, sms, local_pairs=pairs),

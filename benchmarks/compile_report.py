@@ -92,8 +92,8 @@ def record_launches(args) -> None:
     if args.shard:
         emap = torch.full((E,), -1, dtype=torch.int32)
         emap[:L] = torch.arange(L, dtype=torch.int32)
-        cfg = _configs.get_config(fe.local_tokens(M, L, emap, args.quant), L, N, K, topk, torch.bfloat16, True, True,
-                                  torch.device("cpu"), args.quant, fe.local_pairs(M, topk, L, emap))
+        cfg = _configs.get_config(fe.local_tokens(M, L, emap, args.quant, topk=topk), L, N, K, topk, torch.bfloat16,
+                                  True, True, torch.device("cpu"), args.quant, fe.local_pairs(M, topk, L, emap))
     else:
         cfg = _configs.get_config(M, E, N, K, topk, torch.bfloat16, True, True, torch.device("cpu"), args.quant)
     cfg = apply(cfg, json.loads(args.variant))

@@ -730,9 +730,11 @@ def test_local_tokens_of_an_expert_parallel_shard(monkeypatch):
     assert fe.local_tokens(1, 32, shard, esize=4) == 2 and fe.local_tokens(8, 32, shard, esize=4) == 2
     assert fe.local_tokens(1, 32, shard, "mxfp4", 1) == 2
     # floor 1 where it runs the tensor-core GEMVs: the direct schedule for shards of few local tokens
-    for quant, esize in (("none", 2), ("fp8_block", 1), ("mxfp4_mma", 1)):
-        assert fe.local_tokens(1, 32, shard, quant, esize) == 1 and fe.local_tokens(8, 32, shard, quant, esize) == 1
-        assert fe.local_tokens(4096, 32, shard, quant, esize) == 512
+    for quant, esize in (("fp8_block", 1), ("mxfp4_mma", 1)):
+        assert [fe.local_tokens(m, 32, shard, quant, esize, 8) for m in (1, 8)] == [1, 1]
+        assert fe.local_tokens(4096, 32, shard, quant, esize, 8) == 512
+    # 16-bit dense weights up to 2 local pairs expected (topk 8 of 256 experts, 32 here: M / 4 pairs)
+    assert [fe.local_tokens(m, 32, shard, "none", 2, 8) for m in (1, 2, 4, 8, 16, 4096)] == [1, 1, 2, 2, 2, 512]
     assert fe.local_tokens(1, 32, None) == 1
     asked = []
     monkeypatch.setattr(fe, "get_config", lambda M, *args: asked.append(M) or configs.get_config(M, *args))

@@ -475,6 +475,24 @@ def shard_dot_gemvs(quant: str, esize: int) -> bool:
     return quant in DOT_GEMV_QUANTS or (quant == "none" and esize == 2)
 
 
+# NOTE: the expected local pairs up to which a shard of 16-bit dense weights takes the direct schedule (its tensor-core
+# GEMVs); from there on the sorted one streams the shard's experts at about the copy bandwidth. H200, DeepSeek-V3's
+# shard of 32 of 256 experts (topk 8), silu: direct / sorted 40.7 / 49.8 us at M = 1 (1 local pair), 56.3 / 65.9 at
+# M = 2, 94.4 / 94.3 at M = 4, 168.5 / 153.2 at M = 8 (benchmarks/results/ab_dense_dot_gemvs_h200.txt: ``python
+# benchmarks/ab_fused_experts.py --model deepseek-v3 --local-experts 32 --tokens 8 --activation silu
+# --other-schedule``).
+SHARD_DIRECT_PAIRS_16BIT = 2
+
+
+def shard_direct(quant: str, esize: int, pairs: float) -> bool:
+    """Whether an expert-parallel shard expecting ``pairs`` local (token, slot) pairs may take the direct schedule
+    (``fused_experts.local_tokens``: its floor of 1 token): where that schedule runs the tensor-core GEMVs
+    (``shard_dot_gemvs``), for 16-bit dense weights up to SHARD_DIRECT_PAIRS_16BIT pairs."""
+    if quant == "none":
+        return esize == 2 and pairs <= SHARD_DIRECT_PAIRS_16BIT
+    return shard_dot_gemvs(quant, esize)
+
+
 # NOTE: shared memory of an SM on Hopper (sm_90), for how many direct GEMV programs one SM holds at once.
 SM_SHARED_MEMORY = 228 * 1024
 
@@ -485,8 +503,8 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     programs of other pairs exit at once): 128 weight rows on 4 warps per tile (gemm1: 64 columns of gate and up),
     128-column steps, 3 stages (16-bit dense: 4 stages or 64-row tiles were slower, ``shard_dot_gemvs``'s A/B); fp8
     block: gemm1 128 columns (256 rows, see ``fp8_gemv_tiles``), gemm2 64 rows in 4 stages. Each reduction splits in
-    two while twice its programs still fit on the GPU at once: per SM as many as their pipelined tiles' shared memory allows (``gemv_smem``), at most
-    4, so that every program streams from the start and none waits for a second wave.
+    two while twice its programs still fit on the GPU at once: per SM as many as their pipelined tiles' shared memory
+    allows (``gemv_smem``), at most 4, so that every program streams from the start and none waits for a second wave.
     NOTE: the rule gives the tuner's picks on the H100 (``python benchmarks/tune_fused_experts.py --quant mxfp4_mma
     --tokens 1``, gpt-oss-120b M = 1: gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1);
     gemv2 split 4 15.5 us (split 2 16.7, split 8 18.7, 256 rows on 8 warps 19.4); end to end 36.8 us against 48.9 for

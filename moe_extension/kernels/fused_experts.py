@@ -58,7 +58,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
-from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major, shard_dot_gemvs
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major, shard_direct
 from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
                                            sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
@@ -90,7 +90,7 @@ def select_config(M: int, hidden_states: torch.Tensor, w1: WeightOperand, w2: We
     if config is not None:
         return config
     E, two_n, K = w1.shape
-    return get_config(local_tokens(M, E, expert_map, quant, w1.w.element_size()), E, two_n // 2, K, topk,
+    return get_config(local_tokens(M, E, expert_map, quant, w1.w.element_size(), topk), E, two_n // 2, K, topk,
                       hidden_states.dtype,
                       is_row_major(w1.w), is_row_major(w2.w), hidden_states.device, quant,
                       local_pairs(M, topk, E, expert_map))
@@ -101,14 +101,19 @@ def is_shard(E: int, expert_map: torch.Tensor | None) -> bool:
     return expert_map is not None and expert_map.numel() > E
 
 
-def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "none", esize: int = 2) -> int:
+def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "none", esize: int = 2,
+                 topk: int = 1) -> int:
     """The token count a config is chosen for: M, or on an expert-parallel shard (``is_shard``) M * E / E_global,
     at least 2: under uniform routing that share of the slots is local, so the local experts see the rows of that
     many tokens with every slot local (shapes only). The floor of 2 keeps a shard off the direct schedule of the FMA
     GEMVs, whose grid covers all M * topk pairs, most of them not local, and whose tiles span all a token's slots;
     where a shard's direct schedule runs the tensor-core GEMVs (``_configs.shard_dot_gemvs``: fp8 block, MXFP4 in the
-    MMA layout, 16-bit dense weights of ``esize`` 2) the floor is 1: those split the local pairs' reductions over the
-    GPU, where the sorted first GEMM has only its N tiles per expert (``shard_dot_gemvs`` has the 16-bit A/B).
+    MMA layout, 16-bit dense weights of ``esize`` 2) the floor is 1 (``_configs.shard_direct``; 16-bit dense weights
+    up to 2 expected local pairs of the ``topk`` slots): those split the local pairs' reductions over the GPU, where
+    the sorted first GEMM has only its N tiles per expert (``shard_dot_gemvs`` has the 16-bit A/B).
+    NOTE: MXFP4 in the MMA layout, gpt-oss-120b's shard of 32 of 128 experts on the H200, direct / sorted: M = 1
+    18.3 / 21.9 us, M = 4 41.4 / 42.9 (``python benchmarks/ab_fused_experts.py --quant mxfp4_mma --model
+    gpt-oss-120b --local-experts 32 --tokens 1 --other-schedule``; benchmarks/results/ab_dense_dot_gemvs_h200.txt).
     NOTE: DeepSeek-V3's 32-expert shard of 256 (bf16, ``python benchmarks/bench_zoo.py --models deepseek-v3-ep8``)
     on the H100, ours / floor before -> after this and ``_configs.dense_sorted_tiles`` together (not measured
     apart): M = 8 1.09 -> 1.06, 64 1.03 -> 0.99, 512 1.06 -> 1.02, 2048 1.18 -> 1.17, 8192 2.15 -> 1.62. M = 8
@@ -123,7 +128,8 @@ def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "
     ``fused_experts_triton(config=...)``; the figures of the op: the shard's cells of bench_fused_experts_fp8.py)."""
     if not is_shard(E, expert_map):
         return M
-    return max(1 if shard_dot_gemvs(quant, esize) else 2, round(M * E / expert_map.numel()))
+    share = M * E / expert_map.numel()
+    return max(1 if shard_direct(quant, esize, share * topk) else 2, round(share))
 
 
 def local_pairs(M: int, topk: int, E: int, expert_map: torch.Tensor | None) -> int | None:
@@ -622,8 +628,8 @@ def expert_gemm1_triton(hidden_states: torch.Tensor, w1: torch.Tensor, topk_ids:
     h = torch.zeros((M, topk, two_n), dtype=dtype, device=dev)
     if h.numel() == 0 or E == 0:
         return h
-    cfg = config or get_config(local_tokens(M, E, expert_map, quant, w1.w.element_size()), E, two_n // 2, K, topk,
-                               dtype, is_row_major(w1.w), True, dev, quant, local_pairs(M, topk, E, expert_map))
+    cfg = config or get_config(local_tokens(M, E, expert_map, quant, w1.w.element_size(), topk), E, two_n // 2, K,
+                               topk, dtype, is_row_major(w1.w), True, dev, quant, local_pairs(M, topk, E, expert_map))
     h_rows = h.view(M * topk, two_n)
     pdl = pdl_capable(dev)
     with device_guard(dev):
@@ -676,8 +682,8 @@ def expert_gemm2_triton(intermediate: torch.Tensor, w2: torch.Tensor, topk_ids: 
     if y.numel() == 0 or E == 0:
         return y
     if config is None:
-        config = get_config(local_tokens(M, E, expert_map, quant, w2.w.element_size()), E, N, K, topk, dtype, True,
-                            is_row_major(w2.w), dev, quant, local_pairs(M, topk, E, expert_map))
+        config = get_config(local_tokens(M, E, expert_map, quant, w2.w.element_size(), topk), E, N, K, topk, dtype,
+                            True, is_row_major(w2.w), dev, quant, local_pairs(M, topk, E, expert_map))
     pdl = pdl_capable(dev)
     with device_guard(dev):
         if config.path == "direct":
