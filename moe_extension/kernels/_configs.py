@@ -513,7 +513,8 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     CUDA-graph medians of 5 interleaved rounds (benchmarks/results/ab_direct_splits_h200.txt): Qwen3-30B-A3B (E 128,
     topk 8, K 2048, N 768) gemv1 split 4 18.8 us against split 8 22.2; DeepSeek-V3's shard of 32 of 256 experts (1
     local pair on average) 21.3-22.3 us for every split tried (gemv1 4-16, gemv2 1-4): there the splits do not
-    matter."""
+    matter. Splits that are not powers of two were slower (H200, gpt-oss-120b MXFP4 at M = 1: 33.9 us against gemv1
+    split 3 37.3, gemv2 split 3 35.3, split 6 37.2; same file, run at cac8f66)."""
     fp8 = quant == "fp8_block"
 
     def split(g: GemmConfig, rows: int, tiles: int, reduction: int) -> GemmConfig:
