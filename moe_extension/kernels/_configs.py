@@ -3,7 +3,8 @@ layouts, M bucket) and tuned tables loaded from ``moe_extension/configs/<device>
 
 A ``MoeConfig`` picks the schedule of one ``fused_experts`` call:
 - ``path="direct"``: no routing; per-pair GEMV for the first GEMM, per-token GEMV that sums the slots for
-  the second (2 launches). For tiny batches, where every program streams weights.
+  the second (2 launches; the tensor-core GEMVs, whose split reductions count arrivals, after one that zeroes the
+  counters). For tiny batches, where every program streams weights.
 - ``path="sorted"``: routing into ``block_m``-row expert blocks, grouped GEMMs on tensor cores, then the
   deterministic slot sum (4 launches; 6 when the routing takes three; one more when gemm1 copies its
   token rows into sorted order, ``tma_a``).
@@ -14,7 +15,9 @@ gemm1, of K for gemm2), ``block_k`` reduction step, ``group_m`` (sorted: row blo
 kernel), ``num_warps``, ``num_stages``, ``tma_weights`` (sorted: weight tiles loaded by TMA where the layout
 allows), ``tail_m`` (sorted: partial blocks with at most tail_m valid rows run tail_m-row tiles), ``tma_a``
 (sorted, fused path: gemm2's sorted intermediate rows, and gemm1's token rows copied into sorted order,
-loaded by TMA), ``persistent`` (sorted, fused path: gemm2 as a persistent kernel, one program per SM).
+loaded by TMA), ``persistent`` (sorted, fused path: gemm2 as a persistent kernel, one program per SM), ``tile_m``
+(sorted gemm2: rows per program), ``dot`` (direct path, 16-bit dense weights: the tensor-core GEMV of ``_gemv_dot``
+instead of the FMA one; the heuristic's choice on an expert-parallel shard).
 
 Table file (written by ``benchmarks/tune_fused_experts.py``)::
 
