@@ -126,7 +126,7 @@ def test_default_configs_on_a_shard(dtype, M):
     ex = random_experts(E, K, N, dtype=dtype, device=DEVICE, bias=True)
     emap = random_expert_map(4 * E, E, device=DEVICE)
     kw = dict(w1_bias=ex["w1_bias"], w2_bias=ex["w2_bias"], expert_map=emap)
-    cfg = fe.select_config(M, torch.empty(M, K, dtype=dtype), fe.WeightOperand.of(ex["w1"]),
+    cfg = fe.select_config(M, torch.empty(M, K, dtype=dtype, device=DEVICE), fe.WeightOperand.of(ex["w1"]),
                            fe.WeightOperand.of(ex["w2"]), topk, None, "none", emap)
     assert (cfg.path, cfg.gemm1.dot, cfg.gemm2.dot) == (("direct", True, True) if dtype != torch.float32 else
                                                         ("sorted", False, False))

@@ -123,23 +123,24 @@ def test_opcheck(device, op):
 # ------------------------------------------------------------------------- the LoRA terms of the expert GEMMs
 
 
-def gemm_lora_case(gemm, M, quant, device, seed=0, L=3, r=5, E=6, topk=3):
+def gemm_lora_case(gemm, M, quant, device, seed=0, L=3, r=5, E=6, topk=3, dtype=torch.float32, num_global=None):
     """(call, kwargs of the op, LoRA kwargs, fp64 expected output, active pairs) of expert_gemm1 (gemm 1: x
-    [M, K]) or expert_gemm2 (gemm 2: x [M, topk, N]) with biases, an expert_map with invalid ids, router weights
-    and a mapping in [-1, L] (token 0 has adapter 1 and a valid first slot)."""
+    [M, K]) or expert_gemm2 (gemm 2: x [M, topk, N]) with biases, an expert_map over ``num_global`` ids (default
+    E + 2) with invalid ids, router weights and a mapping in [-1, L] (token 0 has adapter 1 and a valid first
+    slot); x, weights and adapters in ``dtype``."""
     torch.manual_seed(seed)
     K, N = (40, 27) if quant == "none" else (96, 64)
-    w = random_experts(E, K, N, quant, torch.float32, device, bias=True)
-    num_global = E + 2
+    w = random_experts(E, K, N, quant, dtype, device, bias=True)
+    num_global = num_global or E + 2
     weights, ids = random_routing(M, num_global, topk, device=device)
     emap = random_expert_map(num_global, E, device)
     ids[0, 0] = int(torch.nonzero(emap >= 0)[0])
     mapping = torch.randint(-1, L + 1, (M,), dtype=torch.int32).to(device)
     mapping[0] = 1
-    x = (torch.randn(M, K) if gemm == 1 else torch.randn(M, topk, N)).to(device)
+    x = (torch.randn(M, K) if gemm == 1 else torch.randn(M, topk, N)).to(device, dtype)
     rows = 2 * N if gemm == 1 else K
-    lora = {"lora_a": (torch.randn(L, E, r, x.shape[-1]) / x.shape[-1] ** 0.5).to(device),
-            "lora_b": (torch.randn(L, E, rows, r) / r**0.5).to(device), "token_lora_mapping": mapping}
+    lora = {"lora_a": (torch.randn(L, E, r, x.shape[-1]) / x.shape[-1] ** 0.5).to(device, dtype),
+            "lora_b": (torch.randn(L, E, rows, r) / r**0.5).to(device, dtype), "token_lora_mapping": mapping}
     n = str(gemm)
     kwargs = {f"w{n}_bias": w[f"w{n}_bias"], "expert_map": emap, "topk_weights": weights, "quant": quant,
               f"w{n}_scale": w[f"w{n}_scale"]}
@@ -165,6 +166,34 @@ def test_expert_gemm_lora_term(device, gemm, M, quant):
         base = call(*args, **kwargs)
         assert torch.equal(out.cpu()[~active], base.cpu()[~active]), call.__name__
         assert active.any() and (~active).any()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("gemm", [1, 2])
+def test_expert_gemm_lora_term_on_tensor_core_gemvs(monkeypatch, device, gemm):
+    """16-bit weights on an expert-parallel shard (6 of 24 experts) at M = 1: the heuristic runs the direct
+    schedule's tensor-core GEMVs, the LoRA expand in their epilogue (fp16 in the interpreter, bf16 on the GPU)."""
+    import moe_extension.kernels.fused_experts as fe
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    args, kwargs, lora, ref, active = gemm_lora_case(gemm, 1, "none", device, seed=3 + gemm, dtype=dtype,
+                                                     num_global=24)
+    name, launched = f"gemv{gemm}_dot_kernel", []
+    kernel = getattr(fe, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(fe, name, Spy())
+    call = expert_gemm1_triton if gemm == 1 else expert_gemm2_triton
+    out = call(*args, **kwargs, **lora)
+    assert launched, "the tensor-core GEMV ran"
+    assert rel_err(out.cpu(), ref) < tolerance(dtype, device)
+    base = call(*args, **kwargs)
+    assert torch.equal(out.cpu()[~active], base.cpu()[~active])
+    assert active.any() and (~active).any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -470,11 +470,11 @@ def shard_dot_gemvs(quant: str, esize: int) -> bool:
     NOTE: H200, silu, CUDA-graph medians of 5 interleaved rounds over 8 routings (benchmarks/results/
     ab_dense_dot_gemvs_h200.txt, the commands there; the shard's config is now this one, which ``python
     benchmarks/ab_fused_experts.py --model deepseek-v3 --local-experts 32 --tokens 1 --activation silu
-    --other-schedule`` times against the sorted schedule's): DeepSeek-V3's shard
-    of 32 of 256 experts, bf16, tensor-core GEMVs against the sorted schedule the op ran (and the FMA GEMVs): M = 1
-    40.6 against 49.9 us (62.5), M = 2 56.3 against 65.9 (108.7), M = 4 94.4 against 94.3 (207.8). Without a shard
-    the FMA GEMVs were as fast or faster at M = 1 in all 6 models tried, e.g. qwen3-next-80b-a3b-tp2 15.7 against
-    19.4 us, llama-4-scout 64.6 against 67.3, qwen3-235b-a22b-tp4 28.1 against 28.2: the heuristic keeps them there."""
+    --other-schedule`` times against the sorted schedule's): DeepSeek-V3's shard of 32 of 256 experts, bf16,
+    tensor-core GEMVs against the sorted schedule the op ran before (and the FMA GEMVs): M = 1 40.6 against 49.9 us
+    (62.5), M = 2 56.3 against 65.9 (108.7), M = 4 94.4 against 94.3 (207.8). Without a shard the FMA GEMVs were as
+    fast or faster at M = 1 in all 6 models tried, e.g. qwen3-next-80b-a3b-tp2 15.7 against 19.4 us, llama-4-scout
+    64.6 against 67.3, qwen3-235b-a22b-tp4 28.1 against 28.2: the heuristic keeps them there."""
     return quant in DOT_GEMV_QUANTS or (quant == "none" and esize == 2)
 
 
@@ -654,6 +654,7 @@ def sanitize(cfg: MoeConfig, dtype: torch.dtype, N: int, K: int, topk: int = 1, 
             g1, g2 = fp8_tiles(g1, bm, 2, a_esize), fp8_tiles(g2, g2.tile_m or bm, 1, a_esize)
             g2 = dataclasses.replace(g2, split_k=max(1, min(g2.split_k, math.ceil(N / 128))))
         return MoeConfig("sorted", bm, g1, g2)
+
     def tensor_core_gemv(g: GemmConfig, row_mult: int, reduction: int, cap: int) -> GemmConfig:
         # ``_gemv_dot``: 16 A rows, splits of whole steps; MXFP4 in the MMA layout the sorted tiles' rule, fp8 block
         # ``fp8_gemv_tiles``, 16-bit dense ``dense_gemv_tiles``.

@@ -91,8 +91,7 @@ def select_config(M: int, hidden_states: torch.Tensor, w1: WeightOperand, w2: We
         return config
     E, two_n, K = w1.shape
     return get_config(local_tokens(M, E, expert_map, quant, w1.w.element_size(), topk), E, two_n // 2, K, topk,
-                      hidden_states.dtype,
-                      is_row_major(w1.w), is_row_major(w2.w), hidden_states.device, quant,
+                      hidden_states.dtype, is_row_major(w1.w), is_row_major(w2.w), hidden_states.device, quant,
                       local_pairs(M, topk, E, expert_map))
 
 
