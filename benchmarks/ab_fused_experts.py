@@ -27,7 +27,7 @@ random routing over all E, so most slots are elsewhere); triton_kernels is timed
 it fuses only swigluoai). ``--op expert_gemm2`` times the unfused
 second GEMM (``expert_gemm2_triton`` on a random [M, topk, N] intermediate, router weights applied; the
 routing included) instead of the whole op, without triton_kernels. ``--profile`` also prints each
-kernel's mean time per call over a few eager calls (torch.profiler; short bursts, so clocks run above the
+kernel's mean time per call over eager calls on every input set (torch.profiler; short bursts, so clocks run above the
 power-capped ones of the replay timing). CUDA only (``--help`` works anywhere).
 """
 
@@ -116,14 +116,16 @@ def apply(cfg, variant: dict):
 
 
 def kernel_times_us(fn, calls: int = 5) -> dict[str, float]:
-    """Mean device time (us) per call of each kernel that fn() launches, over ``calls`` eager calls."""
+    """Mean device time (us) per call of each kernel that fn(i) launches, over the eager calls fn(0) ..
+    fn(calls - 1) (the caller's input sets in turn: an expert-parallel shard's routings differ in their local
+    pairs, one set may have none)."""
     import torch
 
-    fn()
+    fn(0)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
         torch.cuda.synchronize()
     times: dict[str, list[float]] = {}
     for ev in prof.events():
@@ -246,7 +248,7 @@ def main(argv=None) -> int:
         print(f"  {name:14s} " + " ".join(f"{x:8.1f}" for x in v) + f"   median {statistics.median(v):8.1f} us")
     if args.profile:
         for name, fn in runs.items():
-            times = kernel_times_us(lambda: fn(0))
+            times = kernel_times_us(fn, max(5, n))
             print(f"  {name:14s} eager per kernel: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
                   + f"; sum {sum(times.values()):.1f} us")
     return 0

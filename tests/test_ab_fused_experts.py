@@ -88,3 +88,41 @@ def test_routing_from_option(tmp_path):
     other = harness.load_module(str(copy))
     assert other.SINGLE_PROGRAM_MAX_PAIRS == 7 and _routing.SINGLE_PROGRAM_MAX_PAIRS == 512
     assert other.route is not _routing.route and other.route.__module__ == "other_routing"
+
+
+def test_kernel_times_rotate_the_input_sets(monkeypatch):
+    """--profile's per-kernel means come from one eager call per input set in turn (a shard's sets differ in their
+    local pairs), after a warm-up call: faked profiler events, a kernel that only set 1 launches."""
+    import torch
+
+    launched = []
+
+    class FakeEvent:
+        def __init__(self, name, us):
+            self.name, self.device_time_total = name, us
+            self.device_type = torch.autograd.DeviceType.CUDA
+
+    class FakeProfile:
+        def __init__(self, activities):
+            self.start = None
+
+        def __enter__(self):
+            self.start = len(launched)
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [FakeEvent(name, us) for name, us in launched[self.start:]]
+
+    def fn(i):
+        launched.append(("gemv", 10.0 + i))
+        if i % 3 == 1:
+            launched.append(("only_set_1", 6.0))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    times = ab_fused_experts.kernel_times_us(fn, 3)
+    assert times == {"gemv": 11.0, "only_set_1": 2.0}
+    assert launched[0] == ("gemv", 10.0), "a warm-up call on set 0 before the profiled ones"
