@@ -272,10 +272,8 @@ def main(argv=None) -> int:
                    dtype="bfloat16", weight_layout=args.weight_layout,
                    routing="random: each token picks topk distinct experts uniformly (torch.rand(M, E).topk); "
                            "router weights softmax of randn over the chosen; rotated among input sets",
-                   timing="CUDA-graph replay per call, ~25 ms of calls per graph; median of 5 interleaved rounds, each "
-                          "replaying every column's graph once (harness.time_interleaved_us; rows: rounds_us); "
-                          "every implementation starts from hidden_states, topk_weights, topk_ids (its routing work "
-                          "included)",
+                   timing=harness.interleaved_timing(ROUNDS) + "; every implementation starts from hidden_states, "
+                          "topk_weights, topk_ids (its routing work included)",
                    floor="max(bytes / copy_BW, flops / gemm_peak); bytes = weights of the experts hit + x + out",
                    unavailable=unavailable, summary=summary, rows=rows)
     path = harness.write_json(f"fused_experts_{harness.gpu_slug()}.json", payload, args.out)
@@ -374,10 +372,8 @@ def main_mxfp4(args, torch, harness, tk_backend, info, copy_bw, gemm_peak) -> in
                    },
                    routing="random: each token picks topk distinct experts uniformly (torch.rand(M, E).topk); "
                            "router weights softmax of randn over the chosen; rotated among input sets",
-                   timing="CUDA-graph replay per call, ~25 ms of calls per graph; median of 5 interleaved rounds, each "
-                          "replaying every column's graph once (harness.time_interleaved_us; rows: rounds_us); "
-                          "every implementation starts from hidden_states, topk_weights, topk_ids (its routing work "
-                          "included)",
+                   timing=harness.interleaved_timing(ROUNDS) + "; every implementation starts from hidden_states, "
+                          "topk_weights, topk_ids (its routing work included)",
                    floor="max(bytes / copy_BW, flops / bf16 gemm_peak); bytes = weights of the experts hit at "
                          f"{MXFP4_WEIGHT_BITS} bits per weight (packed e2m1 + E8M0 scales) + x + out",
                    unavailable=unavailable, summary=summary, rows=rows)

@@ -199,8 +199,7 @@ def main(argv=None) -> int:
                    },
                    routing="random: each token picks topk distinct experts among E_global uniformly; router "
                            "weights softmax of randn; rotated among input sets",
-                   timing="CUDA-graph replay per call, ~25 ms of calls per graph; median of 5 interleaved rounds, "
-                          "each replaying every column's graph once (harness.time_interleaved_us; rows: rounds_us)",
+                   timing=harness.interleaved_timing(ROUNDS),
                    floor="max(bytes / copy_BW, flops / fp8 GEMM peak); bytes = fp8 weights + block scales of the "
                          "local experts hit + x + out; flops over the pairs routed to local experts",
                    gemm1=gemm1, summary=summary, rows=rows)

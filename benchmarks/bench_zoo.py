@@ -284,8 +284,7 @@ def write_result(harness, info, args, peers, copy_bw, gemm_peak, rows) -> Path:
                             "grouped_mm": "torch._grouped_mm pipeline (bench_fused_experts.grouped_mm_pipeline)"},
                    routing="random: each token picks topk distinct experts of E_global uniformly; router weights "
                            "softmax of randn over the chosen; rotated among input sets",
-                   timing="CUDA-graph replay per call, ~25 ms of calls per graph; median of 5 interleaved rounds, "
-                          "each replaying every column's graph once (harness.time_interleaved_us; rows: rounds_us)",
+                   timing=harness.interleaved_timing(ROUNDS),
                    floor="max(bytes / copy_BW, flops / gemm_peak); bytes = local experts hit + x + out; flops = "
                          "2 valid pairs 3 N K",
                    unavailable=peers["unavailable"], summary=summarize(rows), rows=rows)

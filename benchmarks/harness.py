@@ -8,7 +8,7 @@
   ``time_interleaved_us(fns, n_sets)``: several implementations of one cell, each captured once as
   ``time_graph_budget_us`` sizes it, then timed in interleaved rounds (what comparisons between them use);
   ``record_rounds(row, ...)`` puts its answer into a results row, ``round_ratios(row, a, b)`` compares two of its
-  columns round by round.
+  columns round by round, ``interleaved_timing(rounds)`` says so in the results file.
 - ``rotating(make, nbytes)``: enough independent input sets that consecutive calls miss L2.
 - ``device_info()``: the device/torch/triton fields every results file carries at its top level.
 - ``load_module(path)``: the Python module in a file (another version of one of ours, for a side-by-side A/B).
@@ -145,6 +145,12 @@ def time_interleaved_us(fns: dict[str, Callable[[int], object]], n_sets: int, ro
             (ms,) = _events_time_ms(graph.replay, 1)
             times[name].append(ms * 1e3 / reps)
     return times, errors
+
+
+def interleaved_timing(rounds: int) -> str:
+    """The ``timing`` line of a results file whose columns ``time_interleaved_us`` timed in ``rounds`` rounds."""
+    return (f"CUDA-graph replay per call, ~25 ms of calls per graph; median of {rounds} interleaved rounds, each "
+            "replaying every column's graph once (harness.time_interleaved_us; rows: rounds_us)")
 
 
 def record_rounds(row: dict, rounds: dict[str, list[float]], errors: dict[str, Exception],

@@ -86,6 +86,7 @@ def fake_gpu(monkeypatch):
         device_info=lambda: {"device": "Fake GPU", "torch": torch.__version__, "triton": "0", "command": "fake"},
         copy_bandwidth=lambda: 2e12, gemm_peak=lambda dtype: 5e14, time_interleaved_us=time_interleaved_us,
         record_rounds=harness.record_rounds, round_ratios=harness.round_ratios,
+        interleaved_timing=harness.interleaved_timing,
         write_json=harness.write_json, gpu_slug=lambda: "fake",
     )
     monkeypatch.setitem(sys.modules, "harness", fake)
