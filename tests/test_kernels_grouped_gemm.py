@@ -12,13 +12,15 @@ import json
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import moe_extension.kernels._configs as configs
 import moe_extension.kernels._routing as routing_module
 import moe_extension.kernels.fused_experts as fe
 from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
 from moe_extension.kernels._configs import GemmConfig, MoeConfig
-from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES
+from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES, wrap
 from moe_extension.kernels._routing import route
 from tests.reference import (
     assert_close,
@@ -511,6 +513,24 @@ def test_deterministic(cfg):
     first = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=CONFIGS[cfg], **kw)
     second = fused_experts_triton(x, w1, w2, g, ids, "swigluoai", config=CONFIGS[cfg], **kw)
     assert torch.equal(first, second)
+
+
+@triton.jit
+def _wrap_kernel(out_ptr, n, SPAN: tl.constexpr):
+    """out[pid, :SPAN] = wrap(pid + arange(SPAN), n, SPAN) for the program's start pid (< n)."""
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid * SPAN + tl.arange(0, SPAN), wrap(pid + tl.arange(0, SPAN), n, SPAN))
+
+
+@pytest.mark.parametrize("SPAN", [16, 128])
+@pytest.mark.parametrize("n", [1, 3, 16, 17, 100, 127, 128, 200])
+def test_wrap_is_the_remainder(n, SPAN):
+    """``wrap`` (the tiles' row indices modulo their range, by conditional subtractions) equals ``%`` for every start
+    below n, also where the span covers the range several times (n < SPAN)."""
+    out = poison(torch.empty(n, SPAN, dtype=torch.int32, device=DEVICE))
+    _wrap_kernel[(n,)](out, n, SPAN=SPAN)
+    starts = torch.arange(n, device=DEVICE)[:, None]
+    assert torch.equal(out, ((starts + torch.arange(SPAN, device=DEVICE)[None, :]) % n).to(torch.int32))
 
 
 def test_empty_batch():

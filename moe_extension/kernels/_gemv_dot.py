@@ -42,16 +42,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, gemm1_epilogue, gemm1_weight_rows
+from moe_extension.kernels._grouped_gemm import _RUNTIME_STRIDES, gemm1_epilogue, gemm1_weight_rows, wrap
 from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
-from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quantize_fp8_groups, scale_rows,
-                                                   weight_advance, weight_ptrs)
+from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quantize_fp8_groups, tile_ptrs,
+                                                   weight_advance)
 
 
 @triton.jit
-def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, stride_xk, stride_we, stride_wn, stride_wk,
+def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr, g, k0, k_end, stride_xk, stride_we, stride_wn, stride_wk,
                     stride_se, stride_sn, stride_sk, W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                     WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr, G_ON_A: tl.constexpr,
                     A_Q: tl.constexpr):
@@ -60,9 +60,8 @@ def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr64, g, k0, k_end, strid
     e4m3 values already, and ``xs_row`` its scales per 128 columns (``quantize_fp8_rows``; one per step)."""
     r16 = tl.arange(0, 16)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
-                                 scale_rows(e64, wr64, stride_se, stride_sn, WFMT), k0, stride_wk, stride_sk, BLOCK_K,
-                                 WFMT, False)
+    w_ptrs, s_ptrs = tile_ptrs(w_ptr, ws_ptr, e64, wr, k0, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                               stride_sk, BLOCK_K, WFMT, False)
     # The row as row 0 of a 16-row tile loaded like any dot operand (rows 1.. masked: zeros, nothing read), which
     # Triton pipelines into shared memory with the weight tiles.
     # NOTE: a plain load of the row per step (not pipelined, its latency in every step) took the GEMVs 24.6 and
@@ -132,7 +131,7 @@ def gemv1_dot_kernel(
     k0 = s * k_per_split
     grid_dependency(PDL)
     h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, xs_ptr + t.to(tl.int64) * stride_xsm, w_ptr, ws_ptr,
-                        expert.to(tl.int64), wr.to(tl.int64), g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
+                        expert.to(tl.int64), wr, g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
                         stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT,
                         PTX, DOT_PREC, G_ON_A, A_Q)
     if SPLIT > 1:
@@ -207,13 +206,13 @@ def gemv2_dot_kernel(
     tiles = tl.num_programs(0)
     n0 = pid_n * BLOCK_N
     c = tl.arange(0, BLOCK_N)
-    wr = (n0 + c) % N_OUT
+    wr = wrap(n0 + c, N_OUT, BLOCK_N)
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     grid_dependency(PDL)
     if valid:
         k0 = s * k_per_split
         h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, as_ptr + p.to(tl.int64) * stride_asp,
-                            w_ptr, ws_ptr, expert.to(tl.int64), wr.to(tl.int64), 1.0, k0,
+                            w_ptr, ws_ptr, expert.to(tl.int64), wr, 1.0, k0,
                             tl.minimum(K, k0 + k_per_split), stride_ak, stride_we, stride_wn, stride_wk, stride_se,
                             stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC, False, A_Q)
         if arrivals > 1:

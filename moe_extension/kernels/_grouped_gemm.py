@@ -49,8 +49,8 @@ from moe_extension.kernels._launch import grid_dependency
 from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
 from moe_extension.kernels._weight_formats import (acc_finish, dot_step, dot_tile, fma_step, fp8_operand,
-                                                   fp8_part_scales, quantize_fp8_groups, scale_rows, weight_advance,
-                                                   weight_ptrs)
+                                                   fp8_part_scales, quantize_fp8_groups, scale_rows, tile_ptrs,
+                                                   weight_advance, weight_ptrs)
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLUOAI, ACT_SWIGLUSTEP = range(6)
 # Strides of the bias and router-weight tensors feed only the epilogue: left unspecialized (one compiled
@@ -105,18 +105,31 @@ def activate(gate, up, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
+def wrap(x, n, SPAN: tl.constexpr):
+    """``x % n`` of an int32 tile ``x`` within [0, n + SPAN) (a tile's row indices from a start below ``n``, SPAN
+    their count), by ``cdiv(SPAN, n)`` conditional subtractions: one where the tile is no wider than the range.
+    NOTE: a remainder by a runtime value is a ~25-instruction sequence per element, and Triton computes a tile's row
+    vector in each layout that uses it (16 elements per thread where the MMA layout's bands take their minimum): with
+    ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with this 740
+    (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``)."""
+    for _ in range(0, tl.cdiv(SPAN, n)):
+        x = tl.where(x >= n, x - n, x)
+    return x
+
+
+@triton.jit
 def gemm1_weight_rows(n0, N_OUT, N_HALF, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
     """The weight rows of gemm1's output tile at columns n0..: without an activation the BLOCK_N output rows;
     swigluoai the 2 * BLOCK_N interleaved rows from 2 n0; the halves activations BLOCK_N gate rows from n0 stacked
     on the BLOCK_N up rows from N + n0. Rows wrap modulo their range (loads in bounds; the columns they feed are not
     stored)."""
     if ACT == 0:
-        wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
+        wr = wrap(n0 + tl.arange(0, BLOCK_N), N_OUT, BLOCK_N)
     elif ACT == 4:
-        wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
+        wr = wrap(2 * n0 + tl.arange(0, 2 * BLOCK_N), 2 * N_HALF, 2 * BLOCK_N)
     else:
         c = tl.arange(0, 2 * BLOCK_N)
-        wr = (c // BLOCK_N) * N_HALF + (n0 + c % BLOCK_N) % N_HALF
+        wr = (c // BLOCK_N) * N_HALF + wrap(n0 + c % BLOCK_N, N_HALF, BLOCK_N)
     return wr
 
 
@@ -281,13 +294,11 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
         wr, wr_b = tl.split(tl.permute(tl.reshape(wr, (2, W_ROWS // 2)), (1, 0)))
     else:
         wr_b = wr
-    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr.to(tl.int64) * stride_wn,
-                                 scale_rows(e64, wr.to(tl.int64), stride_se, stride_sn, WFMT), 0, stride_wk, stride_sk,
-                                 BLOCK_K, WFMT, True)
+    w_ptrs, s_ptrs = tile_ptrs(w_ptr, ws_ptr, e64, wr, 0, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                               stride_sk, BLOCK_K, WFMT, True)
     if PARTS == 2:
-        w_ptrs_b, s_ptrs_b = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr_b.to(tl.int64) * stride_wn,
-                                         scale_rows(e64, wr_b.to(tl.int64), stride_se, stride_sn, WFMT), 0, stride_wk,
-                                         stride_sk, BLOCK_K, WFMT, True)
+        w_ptrs_b, s_ptrs_b = tile_ptrs(w_ptr, ws_ptr, e64, wr_b, 0, stride_we, stride_wn, stride_wk, stride_se,
+                                       stride_sn, stride_sk, BLOCK_K, WFMT, True)
     else:
         w_ptrs_b, s_ptrs_b = w_ptrs, s_ptrs
     if WFMT == 2:
@@ -504,11 +515,10 @@ def _gemm2_block(a_ptr, as_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, 
     else:
         a_rows = t.to(tl.int64) * stride_am + j * stride_aj
     a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak
-    wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
-    e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
-    w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64 * stride_we + wr64 * stride_wn,
-                                 scale_rows(e64, wr64, stride_se, stride_sn, WFMT), k_start, stride_wk, stride_sk,
-                                 BLOCK_K, WFMT, True)
+    wr = wrap(n0 + tl.arange(0, BLOCK_N), N_OUT, BLOCK_N)
+    e64 = expert.to(tl.int64)
+    w_ptrs, s_ptrs = tile_ptrs(w_ptr, ws_ptr, e64, wr, k_start, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                               stride_sk, BLOCK_K, WFMT, True)
     if WFMT == 2 and BLOCK_N == 128:  # one 128-row part: one weight scale per step
         s_ptrs = fp8_part_scales(ws_ptr, e64, n0, stride_se, stride_sn) + (k_start // 128) * stride_sk
     if A_Q:
@@ -732,13 +742,13 @@ def gemv1_kernel(
     n0 = pid_n * BLOCK_N
     ACC_K: tl.constexpr = BLOCK_K // 2 if WFMT == 1 else BLOCK_K
     if ACT == 0:
-        wr = (n0 + tl.arange(0, BLOCK_N)) % N_OUT
+        wr = wrap(n0 + tl.arange(0, BLOCK_N), N_OUT, BLOCK_N)
         acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     elif ACT == 4:
-        wr = (2 * n0 + tl.arange(0, 2 * BLOCK_N)) % (2 * N_HALF)
+        wr = wrap(2 * n0 + tl.arange(0, 2 * BLOCK_N), 2 * N_HALF, 2 * BLOCK_N)
         acc = tl.zeros([2 * BLOCK_N, ACC_K], dtype=tl.float32)
     else:
-        wr = (n0 + tl.arange(0, BLOCK_N)) % N_HALF
+        wr = wrap(n0 + tl.arange(0, BLOCK_N), N_HALF, BLOCK_N)
         acc = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     e64, wr64 = expert.to(tl.int64), wr.to(tl.int64)
@@ -833,7 +843,7 @@ def gemv2_kernel(
 
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wr = offs_n % N_OUT
+    wr = wrap(offs_n, N_OUT, BLOCK_N)
     e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
     wr64 = wr.to(tl.int64)
     w_ptrs, s_ptrs = weight_ptrs(w_ptr, ws_ptr, e64[:, None] * stride_we + wr64[None, :] * stride_wn,

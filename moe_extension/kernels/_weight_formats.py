@@ -35,8 +35,9 @@ schedules; what differs between weight formats is only this plug, selected by th
   tokens of a block are the MMA's N (16 rows suffice). Tensor-core steps only (the sorted schedule, and the
   direct schedule's GEMVs of ``_gemv_dot``, whose one activation row is row 0 of a 16-row tile).
 
-Each format provides the device functions every kernel calls at the same places: ``scale_rows`` (the scale
-offsets of a tile's weight rows), ``weight_ptrs`` (the first k step's pointers of a tile of weight rows),
+Each format provides the device functions every kernel calls at the same places: ``tile_ptrs`` (the first k
+step's pointers of a tile of weight rows, from the rows' indices; ``weight_ptrs`` from their offsets, and ``scale_rows``
+the scale offsets of the rows, for the other formats),
 ``weight_advance`` (the next step's), ``dot_step`` (tensor-core step: ``acc [BM, R] += a [BM, BLOCK_K] @ W^T``;
 ``dot_tile`` is its second half, for a tile that TMA loaded), ``acc_finish`` (the accumulator after the last
 tensor-core step), and for the direct schedule's GEMVs either ``dot_step_t`` (the transposed tensor-core step of
@@ -403,27 +404,45 @@ def scale_rows(e64, rows64, stride_se, stride_sn, WFMT: tl.constexpr):
 
 
 @triton.jit
+def tile_ptrs(w_ptr, s_ptr, e64, rows, k0, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+              BLOCK_K: tl.constexpr, WFMT: tl.constexpr, TRANS: tl.constexpr):
+    """``weight_ptrs`` of the weight rows ``rows`` (int32 [R]) of expert ``e64`` (int64). MXFP4 in the MMA layout
+    (whole bands of 16 rows, each starting at a multiple of 16; ``k0`` a multiple of 64): per band the codes
+    [B, BLOCK_K * 8] and the scales [B, BLOCK_K / 2] of the step, which the layout stores contiguously (``stride_wk``
+    / ``stride_sk`` unused), from each band's first row (the int32 minimum of its 16).
+    NOTE: from the rows' 64-bit offsets (their minimum per band, 16 64-bit products and compares per thread), gemv1
+    ran 740 SASS instructions before its k loop at gpt-oss-120b M = 1, from the int32 rows 398 (``python
+    benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``)."""
+    if WFMT == 3:
+        B: tl.constexpr = rows.shape[0] // 16
+        first = tl.min(tl.reshape(rows, (B, 16)), axis=1).to(tl.int64)
+        # A band's codes start at a multiple of 512 bytes and its scales at a multiple of 32 (16 rows of a
+        # multiple of 32 / of 2 bytes): written as such, so that the loads are known to be 16-byte aligned.
+        band = ((e64 * stride_we + first * stride_wn) // 512) * 512
+        s_band = ((e64 * stride_se + first * stride_sn) // 32) * 32
+        ptrs = w_ptr + band[:, None] + (k0 // 64) * 512 + tl.arange(0, BLOCK_K * 8)[None, :]
+        s_ptrs = s_ptr + s_band[:, None] + (k0 // 64) * 32 + tl.arange(0, BLOCK_K // 2)[None, :]
+    else:
+        r64 = rows.to(tl.int64)
+        ptrs, s_ptrs = weight_ptrs(w_ptr, s_ptr, e64 * stride_we + r64 * stride_wn,
+                                   scale_rows(e64, r64, stride_se, stride_sn, WFMT), k0, stride_wk, stride_sk, BLOCK_K,
+                                   WFMT, TRANS)
+    return ptrs, s_ptrs
+
+
+@triton.jit
 def weight_ptrs(w_ptr, s_ptr, w_rows, s_rows, k0, stride_wk, stride_sk, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
                 TRANS: tl.constexpr):
     """Pointers of the first k step (columns k0 .. k0 + BLOCK_K) of a tile of weight rows whose offsets (in
-    elements, expert included) are ``w_rows`` (int64 [R] or [S, R]) and, for the scales, ``s_rows``.
+    elements, expert included) are ``w_rows`` (int64 [R] or [S, R]) and, for the scales, ``s_rows``; not for MXFP4 in
+    the MMA layout (``tile_ptrs``).
 
     Dense: one tile of pointers, [BLOCK_K, R] with TRANS (the dot's B operand; 1-D rows) else [..., R,
     BLOCK_K], and ``s_ptr`` (unused). MXFP4: the bytes [..., R, BLOCK_K / 2] and the scales
     [..., R, BLOCK_K / 32]. fp8 block: the dense tile of pointers and the scales [R] with TRANS (one 128-column
-    block per step), else [..., R, BLOCK_K / 128] (``k0`` a multiple of 128). MXFP4 in the MMA layout (1-D rows:
-    whole bands of 16, each starting at a multiple of 16; ``k0`` a multiple of 64): per band the codes
-    [B, BLOCK_K * 8] and the scales [B, BLOCK_K / 2] of the step, which the layout stores contiguously
-    (``stride_wk`` / ``stride_sk`` unused)."""
-    if WFMT == 3:
-        B: tl.constexpr = w_rows.shape[0] // 16
-        # A band's codes start at a multiple of 512 bytes and its scales at a multiple of 32 (16 rows of a
-        # multiple of 32 / of 2 bytes): written as such, so that the loads are known to be 16-byte aligned.
-        band = (tl.min(tl.reshape(w_rows, (B, 16)), axis=1) // 512) * 512
-        s_band = (tl.min(tl.reshape(s_rows, (B, 16)), axis=1) // 32) * 32
-        ptrs = w_ptr + band[:, None] + (k0 // 64) * 512 + tl.arange(0, BLOCK_K * 8)[None, :]
-        s_ptrs = s_ptr + s_band[:, None] + (k0 // 64) * 32 + tl.arange(0, BLOCK_K // 2)[None, :]
-    elif WFMT == 1:
+    block per step), else [..., R, BLOCK_K / 128] (``k0`` a multiple of 128)."""
+    tl.static_assert(WFMT != 3, "MXFP4 in the MMA layout: tile_ptrs")
+    if WFMT == 1:
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         if len(w_rows.shape) == 2:
