@@ -110,8 +110,10 @@ def wrap(x, n, SPAN: tl.constexpr):
     their count), by ``cdiv(SPAN, n)`` conditional subtractions: one where the tile is no wider than the range.
     NOTE: a remainder by a runtime value is a ~25-instruction sequence per element, and Triton computes a tile's row
     vector in each layout that uses it (16 elements per thread where the MMA layout's bands take their minimum): with
-    ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with this 740
-    (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``)."""
+    ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with this 751
+    (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``). Timed, the
+    calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt); the code is
+    the smaller and leaves gemv2 119 registers instead of 148."""
     for _ in range(0, tl.cdiv(SPAN, n)):
         x = tl.where(x >= n, x - n, x)
     return x

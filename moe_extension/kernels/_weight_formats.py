@@ -411,8 +411,9 @@ def tile_ptrs(w_ptr, s_ptr, e64, rows, k0, stride_we, stride_wn, stride_wk, stri
     [B, BLOCK_K * 8] and the scales [B, BLOCK_K / 2] of the step, which the layout stores contiguously (``stride_wk``
     / ``stride_sk`` unused), from each band's first row (the int32 minimum of its 16).
     NOTE: from the rows' 64-bit offsets (their minimum per band, 16 64-bit products and compares per thread), gemv1
-    ran 740 SASS instructions before its k loop at gpt-oss-120b M = 1, from the int32 rows 398 (``python
-    benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``)."""
+    ran 751 SASS instructions before its k loop at gpt-oss-120b M = 1, from the int32 rows 409 (``python
+    benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``); timed, no change
+    beyond the spread (benchmarks/results/ab_tile_rows_h200.txt)."""
     if WFMT == 3:
         B: tl.constexpr = rows.shape[0] // 16
         first = tl.min(tl.reshape(rows, (B, 16)), axis=1).to(tl.int64)
