@@ -48,7 +48,8 @@ layer took 130.9 us against 133.1 at M = 1, its shard of 32 of 256 experts 20.0 
 against 65.3 at M = 4; MXFP4 in the MMA layout (its GEMVs after a zero fill) took 38.7 against 36.8 with PDL at
 gpt-oss-120b M = 1, 108.5 against 109.1 at M = 4 (benchmarks/results/ab_direct_pdl_h100.txt: ``python
 benchmarks/ab_fused_experts.py --model deepseek-v3 --quant fp8_block [--local-experts 32] --tokens M --activation
-silu --no-pdl``; ``--model gpt-oss-120b --quant mxfp4_mma --tokens M --direct-pdl``).
+silu --no-pdl``; ``--model gpt-oss-120b --quant mxfp4_mma --tokens M --direct-pdl``), and on an H200 with gemv2 at
+119 registers 31.1 against 30.4 (benchmarks/results/ab_tile_rows_h200.txt).
 """
 
 from __future__ import annotations
