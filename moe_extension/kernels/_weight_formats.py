@@ -265,7 +265,7 @@ def _mma_scales(s, PTX: tl.constexpr):
 @triton.jit
 def _load_mxfp4_mma(ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr):
     """The decoded tile [16 B, BLOCK_K] (natural row and column order) of one MMA-layout step whose codes /
-    scales ``weight_ptrs`` gives as [B, BLOCK_K * 8] / [B, BLOCK_K / 2]: the weights times 2^-MMA_EXCESS
+    scales ``tile_ptrs`` gives as [B, BLOCK_K * 8] / [B, BLOCK_K / 2]: the weights times 2^-MMA_EXCESS
     (``acc_finish`` multiplies the accumulator back); chunks of 64 columns from ``k_left`` on read as 0."""
     B: tl.constexpr = ptrs.shape[0]
     C: tl.constexpr = BLOCK_K // 64
@@ -555,7 +555,7 @@ def acc_finish(acc, WFMT: tl.constexpr):
 def dot_step(acc, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
              PTX: tl.constexpr, DOT_PREC: tl.constexpr, A_Q: tl.constexpr):
     """``acc [BM, R] += a [BM, BLOCK_K] @ W[rows, k step]^T`` for the tile at ``ptrs`` (``TRANS`` pointers of
-    ``weight_ptrs``); ``k_left`` columns remain from this step's first one (past them W reads as 0).
+    ``tile_ptrs``); ``k_left`` columns remain from this step's first one (past them W reads as 0).
 
     MXFP4: two dots, the activations' even columns with the decoded low nibbles and the odd columns with the
     high nibbles: each decoded tile stays in the register layout it was decoded in (no interleaving shuffle).
@@ -588,7 +588,7 @@ def dot_step_t(acc_t, a, a_scale, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BL
                WFMT: tl.constexpr, PTX: tl.constexpr, DOT_PREC: tl.constexpr, A_Q: tl.constexpr):
     """``acc_t [R, BM] += W[rows, k step] a^T``, ``a [BM, BLOCK_K]``: the transposed tensor-core step, the tile's R
     weight rows as the MMA's M and the BM tokens as its N (16 suffice), for the formats whose GEMVs run on tensor
-    cores (``_gemv_dot``; ``weight_ptrs`` without ``TRANS``). 16-bit dense: the tile as loaded (from shared memory),
+    cores (``_gemv_dot``; ``tile_ptrs`` without ``TRANS``). 16-bit dense: the tile as loaded (from shared memory),
     ``a`` in the weights' dtype. MXFP4 in the MMA layout (every step of it): the decoded tile is the register operand.
     fp8 block (BLOCK_K = 128, a weight scale per row): ``a`` quantized here, or with A_Q e4m3 already with ``a_scale``
     its scale (one row: a scalar); the block's product scaled by the weight scale of its row and the activation
