@@ -259,6 +259,64 @@ def test_scales_across_the_layouts_range(schedule):
         assert err.max() <= FP32_TOL, err
 
 
+def _run_word_asm(asm: str, word: int) -> list[int]:
+    """The bf16x2 bit patterns the PTX of ``_mma_words`` hands to its four FMAs ($0..$3, before the scale) for one
+    32-bit MMA-layout word $4: its integer instructions executed here (mov, and, mul.lo, shf.l.wrap, lop3 0xEA)."""
+    m32 = (1 << 32) - 1
+    regs, out = {"$4": word}, {}
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    for line in asm.strip().strip("{}").split(";"):
+        if not line.strip() or line.split()[0] == ".reg":
+            continue
+        op, *args = line.replace(",", " ").split()
+        if op == "mov.b32":
+            regs[args[0]] = val(args[1])
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "mul.lo.u32":
+            regs[args[0]] = (val(args[1]) * val(args[2])) & m32
+        elif op == "shf.l.wrap.b32":
+            assert args[1] == args[2], "a rotation: the same word funnelled"
+            r = val(args[3]) % 32
+            regs[args[0]] = ((val(args[1]) << r) | (val(args[1]) >> (32 - r))) & m32
+        elif op == "lop3.b32":
+            assert args[4].lower() == "0xea", "(a & b) | c"
+            regs[args[0]] = (val(args[1]) & val(args[2])) | val(args[3])
+        elif op == "fma.rn.bf16x2":
+            out[args[0]] = val(args[1])
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return [out[f"${r}"] for r in range(4)]
+
+
+def test_decode_asm_places_every_code_bit():
+    """The inline PTX of the MMA-layout decode (rotations written as multiplies where ``_aligned`` finds no mask bit
+    among the wrapped ones) puts each code's sign at bit 15 and magnitude at bits 8..6 of its lane, for every bit of
+    the word: the layout's own definition (``_source_bit``) checked one set bit at a time, and on random words."""
+    from moe_extension.kernels._weight_formats import _MMA_WORD_ASM
+    from moe_extension.quant.mxfp4_mma import _TARGET, _source_bit
+
+    def expected(word):
+        regs = [0] * 4
+        for a in (0, 1):
+            for h in (0, 1):
+                for lane in (0, 1):
+                    for bit, target in _TARGET.items():
+                        if word >> _source_bit(a, h, lane, bit) & 1:
+                            regs[2 * a + h] |= 1 << (target + 16 * lane)
+        return regs
+
+    asm = _MMA_WORD_ASM.value
+    assert "mul.lo.u32" in asm, "the shift-only rotations go to the FMA pipe"
+    g = torch.Generator().manual_seed(0)
+    words = [1 << b for b in range(32)] + torch.randint(0, 2**32, (64,), generator=g, dtype=torch.int64).tolist()
+    for word in words:
+        assert _run_word_asm(asm, word) == expected(word), hex(word)
+
+
 def test_direct_schedule_takes_the_layouts_tiles():
     """A direct config is clamped to the MMA tiles (128-column steps, at least 128 weight rows, power-of-two
     tiles) and to splits that each get a step."""

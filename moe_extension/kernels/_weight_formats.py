@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from triton.language.target_info import cuda_capability_geq
 
-from moe_extension.quant.mxfp4_mma import MMA_EXCESS
+from moe_extension.quant.mxfp4_mma import MMA_EXCESS, MMA_MASK, MMA_ROTATIONS, MMA_SPLIT
 
 WFMT_DENSE = 0
 WFMT_MXFP4 = 1
@@ -162,30 +162,42 @@ def mxfp4_decode(q, s, PTX: tl.constexpr):
     return lo, hi
 
 
+def _aligned(dst: str, rot: int, mask: int) -> str:
+    """PTX: ``dst`` = the MMA-layout word $4 rotated left by ``rot``, masked with ``mask``. Where no bit of the
+    mask comes from the wrapped-around bits (those below ``rot``), the rotation is a left shift, written as a
+    multiply by 2^rot: ptxas issues it as IMAD on the FMA pipe instead of SHF on the integer ALU pipe.
+    NOTE: the decode's LOP3 / SHF instructions load the ALU pipe (ncu on the H200, gemv1 at gpt-oss-120b M = 1:
+    ALU 46% of its peak, FMA 10%; the first among the stall reasons after long scoreboard waits, 0.54 of 4.78
+    cycles per issued instruction, math pipe throttle); the two rotations written as multiplies took gpt-oss-120b
+    M = 1 from 30.2 to 28.7 us and gpt-oss-20b M = 256 from 259.4 to 249.8 us (M = 4096: 1798 against 1780, within
+    the spread), outputs bitwise equal (benchmarks/results/ab_decode_pipes_h200.txt). The other rotations (10, 14)
+    keep mask bits from the wrapped bits; a high-half multiply for them (IMAD.HI) was slower (29.8 us, 266.7)."""
+    if rot == 0:
+        return f"and.b32 {dst}, $4, {mask:#x};"
+    if mask & ((1 << rot) - 1) == 0:
+        return f"mul.lo.u32 {dst}, $4, {1 << rot:#x};\nand.b32 {dst}, {dst}, {mask:#x};"
+    return f"shf.l.wrap.b32 {dst}, $4, $4, {rot};\nand.b32 {dst}, {dst}, {mask:#x};"
+
+
+def _mma_word_asm() -> str:
+    """PTX of ``_mma_words``: the word $4 -> fragment registers $0..$3 (see ``_MMA_WORD_ASM``)."""
+    (hi_rot, hi_mask), (lo_rot, lo_mask) = MMA_SPLIT
+    lines = [".reg .b32 t, u, nz;", "mov.b32 nz, 0x80008000;"]
+    for reg, (key, factor) in enumerate((((0, 0), "$5"), ((0, 1), "$6"), ((1, 0), "$5"))):
+        lines += [_aligned("t", MMA_ROTATIONS[key], MMA_MASK), f"fma.rn.bf16x2 ${reg}, t, {factor}, nz;"]
+    # register (1, 1): the piece of the low magnitude bit, masked; the other piece rotated, masked and merged
+    # with it in one LOP3 ((u & mask) | t)
+    lines += [_aligned("t", lo_rot, lo_mask), f"shf.l.wrap.b32 u, $4, $4, {hi_rot};",
+              f"lop3.b32 t, u, {hi_mask:#x}, t, 0xEA;", "fma.rn.bf16x2 $3, t, $6, nz;"]
+    return "{\n" + "\n".join(lines) + "\n}\n"
+
+
 # The MMA layout's word and its two scale factors -> the 4 bf16x2 fragment registers (a, h) = (0, 0), (0, 1),
-# (1, 0), (1, 1): rotate, mask (moe_extension.quant.mxfp4_mma: MMA_ROTATIONS, MMA_SPLIT, MMA_MASK), times the
-# factor of row h (an FMA with -0: exact, and sm_80's bf16x2 arithmetic). Elements: byte b of the word's 4 ->
-# register (a, b // 2), lane b % 2; the factors come as 4 bf16 per word, the factor of byte b's row (so $5 holds
-# row g's factor twice, $6 row g + 8's).
-_MMA_WORD_ASM = tl.constexpr("""
-{
-.reg .b32 t, u, nz;
-mov.b32 nz, 0x80008000;
-and.b32 t, $4, 0x81C081C0;
-fma.rn.bf16x2 $0, t, $5, nz;
-shf.l.wrap.b32 t, $4, $4, 4;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $1, t, $6, nz;
-shf.l.wrap.b32 t, $4, $4, 10;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 $2, t, $5, nz;
-shf.l.wrap.b32 t, $4, $4, 6;
-and.b32 t, t, 0x00400040;
-shf.l.wrap.b32 u, $4, $4, 14;
-lop3.b32 t, u, 0x81808180, t, 0xEA;
-fma.rn.bf16x2 $3, t, $6, nz;
-}
-""")
+# (1, 0), (1, 1): rotate, mask (moe_extension.quant.mxfp4_mma: MMA_ROTATIONS, MMA_SPLIT, MMA_MASK; ``_aligned``),
+# times the factor of row h (an FMA with -0: exact, and sm_80's bf16x2 arithmetic). Elements: byte b of the word's
+# 4 -> register (a, b // 2), lane b % 2; the factors come as 4 bf16 per word, the factor of byte b's row (so $5
+# holds row g's factor twice, $6 row g + 8's).
+_MMA_WORD_ASM = tl.constexpr(_mma_word_asm())
 
 # Scale bytes s of the MMA layout -> bf16 factors 2^(s - 21): exponent field s + 106 (126 - MMA_EXCESS), mantissa 0,
 # one multiply-add per two bytes; the NaN byte MMA_NAN_SCALE gives +inf, which times the zero codes of a NaN group
