@@ -16,8 +16,6 @@ dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launche
 launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
-``--no-l2-prefetch`` adds it with the direct schedule's gemv1 not prefetching gemv2's weights into L2 (the launcher
-``_gemv1`` wrapped by this script; the product prefetches where ``_configs.l2_prefetch_fits``).
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--routing-from FILE`` adds the table config with the device routing of another version of
 ``moe_extension/kernels/_routing.py`` (``git show REV:moe_extension/kernels/_routing.py > FILE``): its ``route``
@@ -63,8 +61,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the table config without programmatic dependent launch")
     p.add_argument("--persistent-pdl", action="store_true",
                    help="also time the table config with the persistent gemm2 launched with PDL")
-    p.add_argument("--no-l2-prefetch", action="store_true",
-                   help="also the table config without gemv1's L2 prefetch of gemv2's weights (direct schedule)")
     p.add_argument("--other-schedule", action="store_true",
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
@@ -210,18 +206,6 @@ def main(argv=None) -> int:
                 fe._gemv1, fe._gemv2 = launch_gemvs
 
         runs["table, direct GEMVs PDL"] = direct_pdl
-    if args.no_l2_prefetch:
-        launch_gemv1 = fe._gemv1
-
-        def no_prefetch(i):
-            # gemv1 without the prefetch, for this call only (captured with the call, as above)
-            fe._gemv1 = lambda *a, prefetch=None, **k: launch_gemv1(*a, prefetch=None, **k)
-            try:
-                return call(table, i)
-            finally:
-                fe._gemv1 = launch_gemv1
-
-        runs["table, no L2 prefetch"] = no_prefetch
     if args.routing_from:
         from harness import load_module
 

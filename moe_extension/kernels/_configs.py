@@ -496,23 +496,6 @@ def shard_direct(quant: str, esize: int, pairs: float) -> bool:
     return shard_dot_gemvs(quant, esize)
 
 
-# The bytes of second-GEMM weights that gemv1 may ask L2 to hold for gemv2 (``_gemv_dot``'s L2 prefetch): well under
-# the L2 of an H100 / H200 (50 MB), which gemv1's own weights stream through meanwhile.
-L2_PREFETCH_BYTES = 24 * 2**20
-
-
-def l2_prefetch_fits(pairs: float, w2) -> bool:
-    """Whether the direct schedule's gemv1 prefetches gemv2's weights (a ``WeightOperand``; each expert's slice
-    contiguous) into L2: while ``pairs`` experts' slices (the pairs expected here: an upper bound on the experts they
-    hit) fit L2_PREFETCH_BYTES."""
-    per_expert = w2.w[0].numel() * w2.w.element_size()
-    if w2.scale is not None:
-        per_expert += w2.scale[0].numel() * w2.scale.element_size()
-        if not w2.scale[0].is_contiguous():
-            return False
-    return w2.w[0].is_contiguous() and pairs * per_expert <= L2_PREFETCH_BYTES
-
-
 # NOTE: shared memory of an SM on Hopper (sm_90), for how many direct GEMV programs one SM holds at once.
 SM_SHARED_MEMORY = 228 * 1024
 

@@ -32,10 +32,10 @@ its stores come first); the program that brings the counter to the number of pro
 times the valid slots) reads the partials back in split (and slot) order and runs the epilogue. Whichever program
 counts last, the sums are the same: bitwise reproducible, no float atomics, no host sync, every size from shapes.
 
-L2 prefetch (``PF_LINES`` > 0, gemv1): each program of a valid pair first asks L2 to hold its share of the next
-GEMM's weights for the pair's expert (``prefetch.global.L2::evict_last`` of 128-byte lines: the codes, and the
-scales where the format has them, split evenly over the pair's programs), so that gemv2 reads them from L2 while
-gemv1 streams its own from DRAM. A hint: nothing waits for it, and results do not depend on it.
+NOTE: gemv1 does not prefetch gemv2's weights into L2: with each program prefetching its share of its pair expert's
+gemv2 slice, gemv1 slowed more than gemv2 gained (H200, gpt-oss-120b MXFP4 M = 1: 32.2 against 28.5 us, gemv1 19.4
+against 15.8, gemv2 10.7 against 11.0; fp8 block, DeepSeek-V3's shard of 32 of 256 experts M = 1 17.6 against 16.6;
+benchmarks/results/ab_decode_pipes_h200.txt, section 3d).
 
 PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
 before it waits for the previous kernel (``_launch.grid_dependency``); the activations, the counters and every store
@@ -94,25 +94,6 @@ def _rows_times_row(x_row, xs_row, w_ptr, ws_ptr, e64, wr, g, k0, k_end, stride_
 
 
 @triton.jit
-def _prefetch_l2(addr):
-    """``prefetch.global.L2::evict_last`` of the line at each int64 address (a hint: its int32 result is 0)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;", "=r,l", [addr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_expert_share(base, stride_e, nbytes, e64, part, parts, PF_LINES: tl.constexpr):
-    """Share ``part`` of ``parts`` of the ``nbytes`` bytes at address ``base + e64 * stride_e`` (ints) into L2: at
-    most PF_LINES lines of 128 bytes (lanes past the share prefetch its first line again)."""
-    lines = tl.cdiv(nbytes, 128)
-    per = tl.cdiv(lines, parts)
-    first = part * per
-    ln = first + tl.arange(0, PF_LINES)
-    ln = tl.where((ln < first + per) & (ln < lines), ln, first)
-    _prefetch_l2(base + e64 * stride_e + ln.to(tl.int64) * 128)
-
-
-@triton.jit
 def _arrive(cnt_ptr, expected):
     """After this program's partial stores: count it in ``cnt_ptr`` (acq_rel, gpu scope); True for the program that
     completes the count (the others' partials are then visible to it)."""
@@ -121,27 +102,23 @@ def _arrive(cnt_ptr, expected):
 
 
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
-                               *_RUNTIME_STRIDES, "stride_im", "stride_ik", "pf_q", "pf_qe", "pf_qn", "pf_s", "pf_se",
-                               "pf_sn"])
+                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
 def gemv1_dot_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
     P, topk, N_OUT, N_HALF, K, k_per_split, has_map, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit,
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
-    pf_q, pf_qe, pf_qn, pf_s, pf_se, pf_sn,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr,
+    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
     [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
     active pairs (``_lora.lora_rows_delta``), before the one rounding. fp8 block: A_Q, ``x`` holds e4m3 rows and
     ``xs_ptr`` their scales per 128 columns (row stride ``stride_xsm``); Q_OUT (BLOCK_N a multiple of 128), the
     output is stored quantized for gemm2 (e4m3 values in ``out``, scales per 128 columns in ``os_ptr``, row stride
-    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result. PF_LINES > 0: the L2 prefetch
-    (module docstring) of the next weights' codes (address ``pf_q``, ``pf_qe`` bytes per expert, ``pf_qn`` bytes
-    each) and scales (``pf_s``, ``pf_se``, ``pf_sn``; ``pf_sn`` 0: none), PF_LINES lines per program and range."""
+    ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result."""
     tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
     pid_n = tl.program_id(0)
     p = tl.program_id(1)
@@ -149,11 +126,6 @@ def gemv1_dot_kernel(
     expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
     if not valid:
         return
-    if PF_LINES > 0:
-        part, parts = pid_n * SPLIT + s, tl.num_programs(0) * SPLIT
-        prefetch_expert_share(pf_q, pf_qe, pf_qn, expert.to(tl.int64), part, parts, PF_LINES)
-        if pf_sn > 0:
-            prefetch_expert_share(pf_s, pf_se, pf_sn, expert.to(tl.int64), part, parts, PF_LINES)
     t = p // topk
     n0 = pid_n * BLOCK_N
     W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N

@@ -59,8 +59,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
-from moe_extension.kernels._configs import (GemmConfig, MoeConfig, get_config, is_row_major, l2_prefetch_fits,
-                                            shard_direct)
+from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major, shard_direct
 from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
                                            sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
@@ -403,22 +402,9 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
     return torch.zeros((max(1, n),), dtype=torch.int32, device=device)
 
 
-def _prefetch_args(w: WeightOperand | None, programs: int) -> tuple[tuple[int, ...], int]:
-    """gemv1_dot_kernel's L2-prefetch arguments for the weights ``w`` (None: off), split over ``programs`` programs
-    per pair: (code address, bytes per expert, bytes; the same of the scales, 0s without), PF_LINES."""
-    if w is None:
-        return (0, 0, 0, 0, 0, 0), 0
-    q, sc = w.w, w.scale
-    q_bytes = q[0].numel() * q.element_size()
-    s_bytes = sc[0].numel() * sc.element_size() if sc is not None else 0
-    lines = cdiv(cdiv(max(q_bytes, s_bytes), 128), programs)
-    s_args = (sc.data_ptr(), sc.stride(0) * sc.element_size(), s_bytes) if sc is not None else (0, 0, 0)
-    return (q.data_ptr(), q.stride(0) * q.element_size(), q_bytes, *s_args), next_power_of_2(max(1, lines))
-
-
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
            lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None,
-           x_scale: torch.Tensor | None = None, pdl: bool = False, prefetch: WeightOperand | None = None):
+           x_scale: torch.Tensor | None = None, pdl: bool = False):
     """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``, or
     16-bit dense weights with ``cfg.dot``):
     ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
@@ -426,9 +412,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
     (``quantize_fp8_rows``) unless the router weights scale it (``weights``: g x is quantized per pair, per step);
     ``out_scale`` [P, cdiv(n_out, 128)] (cfg.block_n a multiple of 128): out is e4m3 and the rows are stored
     quantized, these their scales. ``x_scale``: x is e4m3 already, these its scales (``quantize_fp8_rows``).
-    ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch. ``prefetch`` (tensor-core GEMVs, PTX
-    devices; ``l2_prefetch_fits``): the next GEMM's weights, whose slices of the pairs' experts (each contiguous)
-    gemv1's programs prefetch into L2."""
+    ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
@@ -449,7 +433,6 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
                            device=x.device)
         cnt = counters if counters is not None else _zeroed_counters(_gemv1_dot_counters(M * topk, n_out, K, cfg),
                                                                      x.device)
-        pf_args, pf_lines = _prefetch_args(prefetch if _ptx(x.device) else None, tiles * splits)
         gemv1_dot_kernel[(tiles, M * topk, splits)](
             x, x_scale if x_scale is not None else x, w1.w, w1.scale, bias if bias is not None else out, out,
             out_scale if out_scale is not None else out, part, cnt, weights if weights is not None else out,
@@ -458,11 +441,11 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             int(weights is not None), x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
             out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
             _stride(weights, 0), _stride(weights, 1), _stride(x_scale, 0), _stride(out_scale, 0), float(alpha),
-            float(limit), *lora_args, *pf_args,
+            float(limit), *lora_args,
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
             G_ON_A=weights is not None and not w1.dense, A_Q=x_scale is not None, Q_OUT=out_scale is not None,
-            PF_LINES=pf_lines, **lora_flags,
+            **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
@@ -586,10 +569,8 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                 c1, c2 = cnt[:max(1, n1)], cnt[n1:] if n2 else cnt
             # With PDL only after the quantization, which lets gemv1 launch at once (see the NOTE in the docstring).
             dot_pdl = pdl and fp8 and w_in is None
-            pairs = local_pairs(M, topk, E, expert_map)
-            prefetch = w2 if dot1 and l2_prefetch_fits(M * topk if pairs is None else pairs, w2) else None
             _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit, cfg.gemm1, c1,
-                   out_scale=a_scale, x_scale=x_scale, pdl=dot_pdl, prefetch=prefetch)
+                   out_scale=a_scale, x_scale=x_scale, pdl=dot_pdl)
             _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale, pdl=dot_pdl)
             return out
         x, x_scale, a_scale = hidden_states, None, None
