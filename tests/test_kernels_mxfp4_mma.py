@@ -3,7 +3,8 @@ CPU (round trip, exact dequantization, the NaN group rule, clear errors), the op
 as ``quant="mxfp4"``), and the Triton kernels in the interpreter (portable decode, ``PTX=False``, fp32 / fp16
 activations as in tests/test_kernels_mxfp4.py) against the PyTorch implementation on the checkpoint layout:
 every activation, biases, expert_map, on-input router weights, invalid ids, tail tiles, split gemm2, a masked
-last chunk of 64 columns, the unfused GEMMs, a NaN scale confined to its outputs, poisoned workspaces.
+last chunk of 64 columns, the unfused GEMMs, a NaN scale confined to its outputs, poisoned workspaces. The GPU's
+inline PTX decode of a word (``_weight_formats._MMA_WORD_ASM``) has its bit operations run here against the layout.
 
 The GPU (inline PTX decode, wgmma with the decoded tile as the register operand) is covered by
 tests/test_fused_experts_mxfp4_cuda.py, which runs its matrix for both layouts.

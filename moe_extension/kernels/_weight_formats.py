@@ -167,11 +167,12 @@ def _aligned(dst: str, rot: int, mask: int) -> str:
     mask comes from the wrapped-around bits (those below ``rot``), the rotation is a left shift, written as a
     multiply by 2^rot: ptxas issues it as IMAD on the FMA pipe instead of SHF on the integer ALU pipe.
     NOTE: the decode's LOP3 / SHF instructions load the ALU pipe (ncu on the H200, gemv1 at gpt-oss-120b M = 1:
-    ALU 46% of its peak, FMA 10%; the first among the stall reasons after long scoreboard waits, 0.54 of 4.78
-    cycles per issued instruction, math pipe throttle); the two rotations written as multiplies took gpt-oss-120b
-    M = 1 from 30.2 to 28.7 us and gpt-oss-20b M = 256 from 259.4 to 249.8 us (M = 4096: 1798 against 1780, within
-    the spread), outputs bitwise equal (benchmarks/results/ab_decode_pipes_h200.txt). The other rotations (10, 14)
-    keep mask bits from the wrapped bits; a high-half multiply for them (IMAD.HI) was slower (29.8 us, 266.7)."""
+    ALU 46% of its peak, FMA 10%; math pipe throttle 0.54 of its 4.78 cycles per issued instruction, beside long
+    scoreboard 0.70, not selected 0.70, wait 0.59); the two rotations written as multiplies took gpt-oss-120b M = 1
+    from 30.2 to 28.7 us and gpt-oss-20b M = 256 from 259.4 to 249.8 us (M = 4096: 1798 against 1780, within the
+    spread), outputs bitwise equal (benchmarks/results/ab_decode_pipes_h200.txt). The rotations by 10 and 14 keep
+    mask bits from the wrapped bits; the one by 10 as a high and a low multiply (IMAD.HI + IMAD) was slower
+    (gpt-oss-120b M = 1 29.8 us, gpt-oss-20b M = 256 266.7)."""
     if rot == 0:
         return f"and.b32 {dst}, $4, {mask:#x};"
     if mask & ((1 << rot) - 1) == 0:
