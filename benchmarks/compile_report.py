@@ -13,6 +13,14 @@ is the one the ops would pick on ``--device`` for the model's shape (its tuned t
 ``--variant`` overrides as in ``ab_fused_experts.py``; the weights are ``--experts`` of the model's experts (the
 kernels' code does not depend on E), random, in ``--quant``'s format.
 
+Each kernel's row ends with the instruction mix of one iteration of its tensor-core loop (the backward branch whose
+body holds the most wgmma; ``loop_mix``) by the pipe the SASS issues to: ``alu`` (the integer / logic pipe: LOP3,
+SHF, PRMT, LEA, ISETP, SEL, IADD3, ...; half rate on Hopper), ``fma`` (IMAD and the float FMA / MUL / ADD of fp32 and
+bf16x2 / fp16x2), ``mem`` (loads, stores, copies to shared memory, atomics), ``mma`` (wgmma), ``uniform`` (the
+warp-uniform datapath) and ``other`` (moves, barriers, branches, waits). Where a k loop is limited by instruction
+issue on one pipe (benchmarks/results/ab_decode_pipes_h200.txt: the MXFP4 decode on the ALU), this is the number a
+change of the loop moves before any GPU runs it.
+
 The report is of the Triton installed here. For the GPU machine's version: ``pip install --target DIR
 triton==3.6.0``, then ``PYTHONPATH=DIR python benchmarks/compile_report.py ...``.
 
@@ -137,6 +145,48 @@ class _StandInDriver:
         return torch.device("cpu")
 
 
+# SASS opcodes (the part before the first '.') by the pipe they issue to on Hopper; what is not listed counts as
+# "other" (MOV, barriers, branches, waits, NOP).
+PIPES = {
+    "alu": ("LOP3", "LOP", "SHF", "SHL", "SHR", "PRMT", "LEA", "ISETP", "SEL", "FSEL", "IADD3", "IABS", "IMNMX",
+            "VIMNMX", "FSETP", "FMNMX", "BMSK", "SGXT", "FLO", "POPC", "BREV", "PLOP3", "P2R", "R2P", "HSETP2",
+            "HMNMX2"),
+    "fma": ("IMAD", "IMUL", "FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "VIADD"),
+    "mem": ("LDG", "LDS", "LDSM", "LD", "LDC", "STG", "STS", "ST", "LDGSTS", "ATOMG", "ATOMS", "ATOM", "RED", "CCTL",
+            "UTMALDG", "UBLKCP", "SYNCS"),
+    "mma": ("HGMMA", "QGMMA", "IGMMA", "HMMA", "IMMA"),
+}
+_PIPE_OF = {op: pipe for pipe, ops in PIPES.items() for op in ops}
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?\s*([^;]*);")
+
+
+def pipe_of(opcode: str) -> str:
+    """The pipe a SASS opcode (without its modifiers) issues to (``PIPES``)."""
+    if opcode in _PIPE_OF:
+        return _PIPE_OF[opcode]
+    return "uniform" if opcode.startswith("U") and opcode not in ("UTMALDG", "UBLKCP") else "other"
+
+
+def loop_mix(sass: str) -> dict:
+    """Instructions per iteration of the SASS loop (a backward ``BRA``) whose body holds the most wgmma, by pipe
+    (``pipe_of``) and in all; {} without such a loop. The first function of the dump only (one kernel per object)."""
+    code = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
+    best = None
+    for addr, op, rest in code:
+        target = re.match(r"(0x[0-9a-f]+)", rest.strip()) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
+            mma = sum(pipe_of(o) == "mma" for o in body)
+            if mma and (best is None or mma > best[0]):
+                best = (mma, body)
+    if best is None:
+        return {}
+    mix = {pipe: 0 for pipe in (*PIPES, "uniform", "other")}
+    for o in best[1]:
+        mix[pipe_of(o)] += 1
+    return dict(mix, total=len(best[1]))
+
+
 def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str, dump: str | None = None) -> dict:
     """ptxas -v of one kernel's PTX for sm_90a, and the wgmma waits of its SASS (written as ``dump``.ptx / .sass
     when given)."""
@@ -154,7 +204,8 @@ def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str, dump: str | No
             "spill_loads": int(spills.group(2)) if spills else None,
             "wgmma_serialized_warning": "C7515" in info,
             "wgmma": len(re.findall(r"\b[HQI]GMMA\.", sass)),
-            "wgmma_waits_for_all": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass))}
+            "wgmma_waits_for_all": len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass)),
+            "loop_mix": loop_mix(sass)}
 
 
 def compile_launches(record: str, all_kernels: bool, dump: str | None = None) -> list[dict]:
@@ -225,6 +276,10 @@ def main(argv=None) -> int:
         print(f"  {r['kernel']:24s} warps {r['num_warps']} stages {r['num_stages']} {flags:40s} registers "
               f"{r['registers']} spills {r['spill_stores']}/{r['spill_loads']} B  shared {r['shared']} B  wgmma "
               f"{r['wgmma']} ({serial}; {r['wgmma_waits_for_all']} waits for all)")
+        mix = r["loop_mix"]
+        if mix:
+            print(f"  {'':24s} k loop per iteration: {mix['total']} instructions, " +
+                  ", ".join(f"{pipe} {mix[pipe]}" for pipe in (*PIPES, "uniform", "other")))
     return 0
 
 

@@ -1,5 +1,5 @@
 """benchmarks/compile_report.py: the kernels of a fused_experts call compiled for sm_90 without a GPU, with what
-ptxas says of each (registers, spills, serialized wgmma)."""
+ptxas says of each (registers, spills, serialized wgmma) and the instruction mix of its tensor-core loop."""
 
 import subprocess
 import sys
@@ -40,6 +40,9 @@ def test_report_of_the_mxfp4_sorted_kernels(tmp_path):
         assert ".entry " + kernel in (tmp_path / f"{kernel}.ptx").read_text()
         assert f"tt.func public @{kernel}" in (tmp_path / f"{kernel}.ttgir").read_text()
         assert (tmp_path / f"{kernel}.sass").read_text().count("GMMA.") == wgmma
+        mix = lines[lines.index(row) + 1]
+        assert "k loop per iteration:" in mix and int(mix.split("mma ")[1].split(",")[0]) > 0, mix
+        assert int(mix.split("alu ")[1].split(",")[0]) > 0, "the MXFP4 decode's integer work"
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no ptxas for sm_90")
@@ -71,4 +74,30 @@ def test_sass_facts_reads_ptxas_and_the_waits(tmp_path, monkeypatch):
     facts = compile_report.sass_facts("ptxas", "cuobjdump", "// ptx", str(tmp_path), str(tmp_path / "k"))
     assert (tmp_path / "k.ptx").read_text() == "// ptx" and (tmp_path / "k.sass").read_text() == sass
     assert facts == {"registers": 251, "spill_stores": 8, "spill_loads": 4, "wgmma_serialized_warning": True,
-                     "wgmma": 2, "wgmma_waits_for_all": 1}
+                     "wgmma": 2, "wgmma_waits_for_all": 1, "loop_mix": {}}
+
+
+def test_loop_mix_counts_the_wgmma_loop_by_pipe():
+    """``loop_mix``: of two backward branches, the loop whose body holds wgmma is counted (from its target through
+    the branch), each opcode by its pipe whatever its modifiers and predicate; a dump without such a loop gives {}."""
+    def line(addr, text):
+        return f"        /*{addr:04x}*/                   {text} ;    /* 0x000000000000 */\n"
+
+    sass = "".join([
+        line(0x00, "MOV R1, c[0x0][0x28]"),
+        line(0x10, "IADD3 R2, R2, 0x1, RZ"),
+        line(0x20, "@P0 BRA 0x10"),  # a loop without wgmma
+        line(0x30, "LDS.128 R4, [R8]"),
+        line(0x40, "SHF.L.W.U32.HI R5, R4, 0x4, R4"),
+        line(0x50, "LOP3.LUT R5, R5, 0x81c081c0, RZ, 0xc0, !PT"),
+        line(0x60, "IMAD.SHL.U32 R6, R4, 0x10, RZ"),
+        line(0x70, "HMUL2.BF16_V2 R7, R5, R9.H0_H0"),
+        line(0x80, "HGMMA.64x16x16.F32.BF16 R24, R96, gdesc[UR16], R24, gsb0"),
+        line(0x90, "UIADD3 UR5, UR5, 0x1, URZ"),
+        line(0xa0, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+        line(0xb0, "@!P1 BRA 0x30"),
+        line(0xc0, "EXIT"),
+    ])
+    assert compile_report.loop_mix(sass) == {"alu": 2, "fma": 2, "mem": 1, "mma": 1, "uniform": 1, "other": 2,
+                                             "total": 9}
+    assert compile_report.loop_mix(sass.replace("HGMMA", "HFMA2")) == {}
