@@ -13,8 +13,8 @@ is the one the ops would pick on ``--device`` for the model's shape (its tuned t
 ``--variant`` overrides as in ``ab_fused_experts.py``; the weights are ``--experts`` of the model's experts (the
 kernels' code does not depend on E), random, in ``--quant``'s format.
 
-Each kernel's row ends with the instruction mix of one iteration of its tensor-core loop (the backward branch whose
-body holds the most wgmma; ``loop_mix``) by the pipe the SASS issues to: ``alu`` (the integer / logic pipe: LOP3,
+Each kernel's row ends with the instruction mix of one iteration of its tensor-core loop (an innermost backward
+branch whose body holds wgmma, else mma.sync; ``loop_mix``) by the pipe the SASS issues to: ``alu`` (the integer / logic pipe: LOP3,
 SHF, PRMT, LEA, ISETP, SEL, IADD3, ...; half rate on Hopper), ``fma`` (IMAD and the float FMA / MUL / ADD of fp32 and
 bf16x2 / fp16x2), ``mem`` (loads, stores, copies to shared memory, atomics), ``mma`` (wgmma), ``uniform`` (the
 warp-uniform datapath) and ``other`` (moves, barriers, branches, waits). Where a k loop is limited by instruction
@@ -168,23 +168,29 @@ def pipe_of(opcode: str) -> str:
 
 
 def loop_mix(sass: str) -> dict:
-    """Instructions per iteration of the SASS loop (a backward ``BRA``) whose body holds the most wgmma, by pipe
-    (``pipe_of``) and in all; {} without such a loop. The first function of the dump only (one kernel per object)."""
+    """Instructions per iteration of the tensor-core loop of a kernel's SASS, by pipe (``pipe_of``) and in all: of
+    the loops (a backward ``BRA`` and its target) whose bodies hold tensor-core instructions, the innermost ones (a
+    persistent kernel's tile loop holds its k loop), and of those the one with the most wgmma, then the most
+    mma.sync (a kernel with tail tiles has a second k loop, whose small tiles may run mma.sync); {} without one."""
     code = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
-    best = None
+    loops = []
     for addr, op, rest in code:
         target = re.match(r"(0x[0-9a-f]+)", rest.strip()) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
-            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= addr]
-            mma = sum(pipe_of(o) == "mma" for o in body)
-            if mma and (best is None or mma > best[0]):
-                best = (mma, body)
-    if best is None:
+            start = int(target.group(1), 16)
+            body = [o for a, o, _ in code if start <= a <= addr]
+            if any(pipe_of(o) == "mma" for o in body):
+                loops.append((start, addr, body))
+    inner = [(s, e, b) for s, e, b in loops if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e)
+                                                          for s2, e2, _ in loops)]
+    if not inner:
         return {}
+    body = max(inner, key=lambda loop: (sum(o.endswith("GMMA") for o in loop[2]),
+                                        sum(pipe_of(o) == "mma" for o in loop[2])))[2]
     mix = {pipe: 0 for pipe in (*PIPES, "uniform", "other")}
-    for o in best[1]:
+    for o in body:
         mix[pipe_of(o)] += 1
-    return dict(mix, total=len(best[1]))
+    return dict(mix, total=len(body))
 
 
 def sass_facts(ptxas: str, cuobjdump: str, ptx: str, folder: str, dump: str | None = None) -> dict:

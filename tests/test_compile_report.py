@@ -78,8 +78,10 @@ def test_sass_facts_reads_ptxas_and_the_waits(tmp_path, monkeypatch):
 
 
 def test_loop_mix_counts_the_wgmma_loop_by_pipe():
-    """``loop_mix``: of two backward branches, the loop whose body holds wgmma is counted (from its target through
-    the branch), each opcode by its pipe whatever its modifiers and predicate; a dump without such a loop gives {}."""
+    """``loop_mix``: of the backward branches, the innermost loop whose body holds wgmma is counted (from its target
+    through the branch; not a loop without tensor-core instructions, nor an outer loop around it, nor a loop of more
+    mma.sync but no wgmma), each opcode by its pipe whatever its modifiers and predicate; a dump without such a loop
+    gives {}."""
     def line(addr, text):
         return f"        /*{addr:04x}*/                   {text} ;    /* 0x000000000000 */\n"
 
@@ -96,8 +98,13 @@ def test_loop_mix_counts_the_wgmma_loop_by_pipe():
         line(0x90, "UIADD3 UR5, UR5, 0x1, URZ"),
         line(0xa0, "BAR.SYNC.DEFER_BLOCKING 0x0"),
         line(0xb0, "@!P1 BRA 0x30"),
-        line(0xc0, "EXIT"),
+        line(0xc0, "STG.E [R2], R24"),
+        line(0xc4, "HMMA.16816.F32.BF16 R40, R44, R48, R40"),  # a tail tile's loop on mma.sync: two of them
+        line(0xc8, "HMMA.16816.F32.BF16 R40, R44, R48, R40"),
+        line(0xcc, "@P3 BRA 0xc4"),
+        line(0xd0, "@P2 BRA 0x0"),  # an outer loop around both
+        line(0xe0, "EXIT"),
     ])
     assert compile_report.loop_mix(sass) == {"alu": 2, "fma": 2, "mem": 1, "mma": 1, "uniform": 1, "other": 2,
                                              "total": 9}
-    assert compile_report.loop_mix(sass.replace("HGMMA", "HFMA2")) == {}
+    assert compile_report.loop_mix(sass.replace("HGMMA", "HFMA2").replace("HMMA", "HFMA2")) == {}
