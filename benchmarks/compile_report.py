@@ -14,12 +14,12 @@ is the one the ops would pick on ``--device`` for the model's shape (its tuned t
 kernels' code does not depend on E), random, in ``--quant``'s format.
 
 Each kernel's row ends with the instruction mix of one iteration of its tensor-core loop (an innermost backward
-branch whose body holds wgmma, else mma.sync; ``loop_mix``) by the pipe the SASS issues to: ``alu`` (the integer / logic pipe: LOP3,
-SHF, PRMT, LEA, ISETP, SEL, IADD3, ...; half rate on Hopper), ``fma`` (IMAD and the float FMA / MUL / ADD of fp32 and
-bf16x2 / fp16x2), ``mem`` (loads, stores, copies to shared memory, atomics), ``mma`` (wgmma), ``uniform`` (the
-warp-uniform datapath) and ``other`` (moves, barriers, branches, waits). Where a k loop is limited by instruction
-issue on one pipe (benchmarks/results/ab_decode_pipes_h200.txt: the MXFP4 decode on the ALU), this is the number a
-change of the loop moves before any GPU runs it.
+branch whose body holds wgmma, else mma.sync; ``loop_mix``) by the pipe the SASS issues to: ``alu`` (the integer /
+logic pipe: LOP3, SHF, PRMT, LEA, ISETP, SEL, IADD3, ...; half rate on Hopper), ``fma`` (IMAD and the float FMA /
+MUL / ADD of fp32 and bf16x2 / fp16x2), ``mem`` (loads, stores, copies to shared memory, atomics), ``mma`` (wgmma,
+mma.sync), ``uniform`` (the warp-uniform datapath) and ``other`` (moves, barriers, branches, waits). Where a k loop
+is limited by instruction issue on one pipe (benchmarks/results/ab_decode_pipes_h200.txt: the MXFP4 decode on the
+ALU), this is the number a change of the loop moves before any GPU runs it.
 
 The report is of the Triton installed here. For the GPU machine's version: ``pip install --target DIR
 triton==3.6.0``, then ``PYTHONPATH=DIR python benchmarks/compile_report.py ...``.
