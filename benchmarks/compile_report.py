@@ -145,8 +145,10 @@ class _StandInDriver:
         return torch.device("cpu")
 
 
-# SASS opcodes (the part before the first '.') by the pipe they issue to on Hopper; what is not listed counts as
-# "other" (MOV, barriers, branches, waits, NOP).
+# SASS opcodes (the part before the first '.') by the pipe they issue to on Hopper, as NVIDIA's instruction throughput
+# tables give them (32-bit integer add / compare / logic / shift at half the fp32 rate); VIADD, new with sm_90, is
+# counted with the FMA pipe without a measurement saying so. What is not listed counts as "other" (MOV, barriers,
+# branches, waits, NOP).
 PIPES = {
     "alu": ("LOP3", "LOP", "SHF", "SHL", "SHR", "PRMT", "LEA", "ISETP", "SEL", "FSEL", "IADD3", "IABS", "IMNMX",
             "VIMNMX", "FSETP", "FMNMX", "BMSK", "SGXT", "FLO", "POPC", "BREV", "PLOP3", "P2R", "R2P", "HSETP2",
