@@ -257,6 +257,9 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
         # 16-bit weights: see dense_sorted_tiles.
         block_m = 128
+    if quant == "mxfp4_mma" and block_m == 32 and N >= MXFP4_MMA_WIDE_N:
+        # one block for most experts rather than two (each decodes the expert's weights): mxfp4_mma_heuristic
+        block_m = 64
     big = block_m >= 128
     # NOTE: gemm1 tiles cover 2 * block_n weight rows (gate + up); block_k 64 keeps 4 stages in smem.
     # NOTE: an expert's last block is partial (half empty on average); in gemm1 a quarter-height tail tile
@@ -431,18 +434,30 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     return g1, g2
 
 
+# Intermediate size N from which the MXFP4 MMA-layout heuristic runs the large layers' tiles (``mxfp4_mma_heuristic``).
+# NOTE: H200, whole op, CUDA-graph medians of 5 interleaved rounds, outputs bitwise equal; old -> these tiles:
+# blocks of 128, gemm1 256 weight rows on 8 warps with TMA rows: gpt-oss-120b M 4096 2110 -> 2018 us, gpt-oss-20b
+# M 1024 526 -> 515, Mixtral-8x7B shape (N 14336) M 1024 1583 -> 1484, DeepSeek-V2-Lite shape (N 1408) M 2048
+# 599 -> 591, but Qwen3-30B-A3B shape (N 768) M 4096 801 -> 841. 16 - 40 rows per expert in blocks of 64 instead
+# of 32 (gemm1 with TMA rows, gemm2 256 columns on 8 warps, tail 32): gpt-oss-120b M 1024 1004 -> 914, gpt-oss-20b
+# M 256 249 -> 241, Qwen3 M 512 212 -> 213; the same gemm2 at blocks of 64 (64 rows per expert): Mixtral M 256
+# 569 -> 558, Qwen3 M 1024 288 -> 304. Blocks of 64 without gemm1's TMA rows or gemm2's tail were slower
+# (985 and 965 us at 120b M 1024), gemm2's 256 columns at blocks of 32 no faster (1007).
+# (benchmarks/results/ab_mxfp4_large_layers_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma``.)
+MXFP4_MMA_WIDE_N = 1024
+
+
 def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: float, K: int, N: int,
                         num_sms: int) -> tuple[GemmConfig, GemmConfig]:
     """MXFP4 in the MMA layout (tensor-core steps only; the weight tile is the MMA's M, the block's tokens its N);
     ``blocks``: the expected row blocks of the sorted schedule.
     NOTE: 128 weight rows on 4 warps per tile in both GEMMs (the fused gemm1's 64 columns of gate and up;
-    gemm2's 128 output columns): the tuner's best at every M of gpt-oss-120b and -20b on the H100 that runs this
-    schedule (M = 1 runs the direct one, ``dot_gemv_direct``). The 256-row tiles on 8 warps this
-    rule replaced were 10-29% slower end to end (120b: M 16 308 against 269 us; ``python
-    benchmarks/tune_fused_experts.py --quant mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with
-    tail tiles (gemm1 32, gemm2 16 rows) and pointer loads of gemm2's rows: the tuner's choice at 128 and 512
-    rows (120b M 4096: 2246 us against 2902 for blocks of 64; 20b M 1024: 594 against 768; gemm2 with TMA
-    rows 887 against 698 us at 20b M 4096)."""
+    gemm2's 128 output columns) at blocks of 16 and 32 tokens: the 256-row tiles on 8 warps were 10-29% slower end
+    to end there (H100, 120b: M 16 308 against 269 us; ``python benchmarks/tune_fused_experts.py --quant
+    mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with tail tiles (gemm2 16 rows) and pointer loads
+    of gemm2's rows (H100, 120b M 4096: 2246 us against 2902 for blocks of 64; 20b M 1024: 594 against 768;
+    gemm2 with TMA rows 887 against 698 us at 20b M 4096). Layers from N = MXFP4_MMA_WIDE_N on take wider tiles
+    from blocks of 64 on (see there)."""
     bn1, bn2 = 64, 128
     # Few row blocks (decode): gemm2 splits its reduction until there are two tiles per SM.
     split = 1
@@ -454,6 +469,15 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
                              tma_a=False, group_m=0, tail_m=32 if wide else g1.tail_m)
     g2 = dataclasses.replace(g2, block_n=bn2, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
                              split_k=split, tail_m=16 if wide else g2.tail_m, tma_a=g2.tma_a and not wide)
+    if N >= MXFP4_MMA_WIDE_N and block_m >= 64:
+        # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 run 256 weight rows (128 columns of gate
+        # and up) on 8 warps, blocks of 64 keep gemm1's tile and give gemm2 256 output columns on 8 warps with a
+        # 32-row tail tile (MXFP4_MMA_WIDE_N).
+        if wide:
+            g1 = dataclasses.replace(g1, block_n=128, num_warps=8, tma_a=True, tail_m=16)
+        else:
+            g1 = dataclasses.replace(g1, tma_a=True)
+            g2 = dataclasses.replace(g2, block_n=256, num_warps=8, tma_a=True, tail_m=32)
     return g1, g2
 
 
