@@ -257,8 +257,10 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
         # 16-bit weights: see dense_sorted_tiles.
         block_m = 128
-    if quant == "mxfp4_mma" and block_m == 32 and N >= MXFP4_MMA_WIDE_N:
-        # one block for most experts rather than two (each decodes the expert's weights): mxfp4_mma_heuristic
+    one_block = quant == "mxfp4_mma" and block_m == 32 and N >= MXFP4_MMA_WIDE_N
+    if one_block:
+        # one block for most experts rather than two (each decodes the expert's weights), without gemm1's tail
+        # tile, which would split that block (MXFP4_MMA_WIDE_N)
         block_m = 64
     big = block_m >= 128
     # NOTE: gemm1 tiles cover 2 * block_n weight rows (gate + up); block_k 64 keeps 4 stages in smem.
@@ -266,7 +268,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # for it paid on an H200 with these tiles: qwen3 M = 4096 (block_m 128) 663 -> 517 us, mixtral
     # M = 1024 1301 -> 1090 us, qwen3 M = 1024 (block_m 64, tail 16) 303 -> 236 us. gemm2 gained < 3%.
     g1 = GemmConfig(block_n=64, block_k=64, num_warps=8 if big else 4, num_stages=4, group_m=8,
-                    tail_m=block_m // 4 if block_m >= 64 else 0)
+                    tail_m=block_m // 4 if block_m >= 64 and not one_block else 0)
     bn2 = 64 if block_m <= 32 else 128
     bk2 = 128 if block_m < 64 and N % 128 == 0 else 64
     # NOTE: gemm2's A operand is the sorted intermediate (contiguous rows per block): TMA loads of it cut
