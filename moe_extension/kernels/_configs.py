@@ -437,15 +437,16 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
 
 
 # Intermediate size N from which the MXFP4 MMA-layout heuristic runs the large layers' tiles (``mxfp4_mma_heuristic``).
-# NOTE: H200, whole op, CUDA-graph medians of 5 interleaved rounds, outputs bitwise equal; old -> these tiles:
-# blocks of 128, gemm1 256 weight rows on 8 warps with TMA rows: gpt-oss-120b M 4096 2110 -> 2018 us, gpt-oss-20b
-# M 1024 526 -> 515, Mixtral-8x7B shape (N 14336) M 1024 1583 -> 1484, DeepSeek-V2-Lite shape (N 1408) M 2048
-# 599 -> 591, but Qwen3-30B-A3B shape (N 768) M 4096 801 -> 841. 16 - 40 rows per expert in blocks of 64 instead
-# of 32 (gemm1 with TMA rows, gemm2 256 columns on 8 warps, tail 32): gpt-oss-120b M 1024 1004 -> 914, gpt-oss-20b
-# M 256 249 -> 241, Qwen3 M 512 212 -> 213; the same gemm2 at blocks of 64 (64 rows per expert): Mixtral M 256
-# 569 -> 558, Qwen3 M 1024 288 -> 304. Blocks of 64 without gemm1's TMA rows or gemm2's tail were slower
-# (985 and 965 us at 120b M 1024), gemm2's 256 columns at blocks of 32 no faster (1007).
-# (benchmarks/results/ab_mxfp4_large_layers_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma``.)
+# NOTE: H200, whole op, CUDA-graph medians of 5 interleaved rounds, outputs bitwise equal, former tiles -> these:
+# blocks of 128 with gemm1 on 256 weight rows and 8 warps, TMA rows: gpt-oss-120b M 4096 2110 -> 2018 us, gpt-oss-20b
+# M 1024 526 -> 515, the Mixtral-8x7B shape (N 14336) M 1024 1583 -> 1484, DeepSeek-V2-Lite's (N 1408) M 2048
+# 599 -> 591, but Qwen3-30B-A3B's (N 768) M 4096 801 -> 841. 16-40 rows per expert in one block of 64 instead of two
+# of 32 (gemm1 with TMA rows and no tail tile, gemm2 256 columns on 8 warps with a 32-row tail): gpt-oss-120b M 1024
+# 983 -> 922, gpt-oss-20b M 256 252 -> 236, at Qwen3's N 768 no gain (M 512: 212 -> 213). Without gemm1's TMA rows,
+# gemm2's tail or the block of 64 (gemm2's tiles alone) slower: 985, 965 and 1007 us at 120b M 1024; with gemm1's
+# 16-row tail tile 243 us at 20b M 256. The same gemm2 at 64 rows per expert: Mixtral M 256 566 -> 561, Qwen3 M 1024
+# 288 -> 304. (benchmarks/results/ab_mxfp4_large_layers_h200.txt: ``python benchmarks/ab_fused_experts.py --quant
+# mxfp4_mma --model MODEL --tokens M --variant ...``.)
 MXFP4_MMA_WIDE_N = 1024
 
 
