@@ -457,10 +457,10 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     NOTE: 128 weight rows on 4 warps per tile in both GEMMs (the fused gemm1's 64 columns of gate and up;
     gemm2's 128 output columns) at blocks of 16 and 32 tokens: the 256-row tiles on 8 warps were 10-29% slower end
     to end there (H100, 120b: M 16 308 against 269 us; ``python benchmarks/tune_fused_experts.py --quant
-    mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with tail tiles (gemm2 16 rows) and pointer loads
-    of gemm2's rows (H100, 120b M 4096: 2246 us against 2902 for blocks of 64; 20b M 1024: 594 against 768;
-    gemm2 with TMA rows 887 against 698 us at 20b M 4096). Layers from N = MXFP4_MMA_WIDE_N on take wider tiles
-    from blocks of 64 on (see there)."""
+    mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with tail tiles (gemm1 32 rows, 16 in large
+    layers; gemm2 16) and pointer loads of gemm2's rows (H100, 120b M 4096: 2246 us against 2902 for blocks of
+    64; 20b M 1024: 594 against 768; gemm2 with TMA rows 887 against 698 us at 20b M 4096). Layers from N =
+    MXFP4_MMA_WIDE_N on take wider tiles from blocks of 64 on (see there)."""
     bn1, bn2 = 64, 128
     # Few row blocks (decode): gemm2 splits its reduction until there are two tiles per SM.
     split = 1
