@@ -17,6 +17,9 @@ launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
+``--table-from FILE`` adds the entry of another tuned table (``moe_extension/configs/<device>.json``, e.g. an H100's
+on an H200, which runs the heuristic) for this cell, at the M bucket nearest ``--tokens``: the heuristic against a
+tuned config on any GPU.
 ``--routing-from FILE`` adds the table config with the device routing of another version of
 ``moe_extension/kernels/_routing.py`` (``git show REV:moe_extension/kernels/_routing.py > FILE``): its ``route``
 swapped in for the call, as the PDL options above swap launchers.
@@ -65,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
+    p.add_argument("--table-from", default=None, metavar="FILE",
+                   help="also time this tuned table's entry for the cell (a moe_extension/configs/*.json file)")
     p.add_argument("--routing-from", default=None, metavar="FILE",
                    help="also time the table config with the route() of this copy of kernels/_routing.py")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
@@ -78,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--no-pdl, --persistent-pdl, --direct-pdl and --routing-from time fused_experts only")
     if args.routing_from is not None and not Path(args.routing_from).is_file():
         p.error(f"--routing-from: no file {args.routing_from}")
+    if args.table_from is not None and not Path(args.table_from).is_file():
+        p.error(f"--table-from: no file {args.table_from}")
     if args.local_experts is not None and args.local_experts < 1:
         p.error("--local-experts takes a positive count")
     return args
@@ -104,6 +111,18 @@ def cell_weights(model: str, quant: str, local: int | None):
         expert_map = torch.full((E,), -1, dtype=torch.int32, device=T.DEVICE)
         expert_map[:L] = torch.arange(L, dtype=torch.int32, device=T.DEVICE)
     return w1, w2, expert_map
+
+
+def table_entry(path: str, key: str, M: int):
+    """The MoeConfig of tuned table ``path`` for ``key`` at the M bucket nearest M (as ``get_config`` picks it,
+    unsanitized), or None when the table has no entry for the key."""
+    from moe_extension.kernels._configs import MoeConfig, _nearest_bucket
+
+    with open(path) as f:
+        per_m = json.load(f).get("configs", {}).get(key, {})
+    if not per_m:
+        return None
+    return MoeConfig.from_json(per_m[str(_nearest_bucket([int(m) for m in per_m], M))])
 
 
 def apply(cfg, variant: dict):
@@ -165,6 +184,15 @@ def main(argv=None) -> int:
                                  torch.cuda.get_device_properties(0).multi_processor_count, args.quant,
                                  path="sorted" if table.path == "direct" else "direct")
         configs["other schedule"] = sanitize(other, torch.bfloat16, N, K, topk, args.quant)
+    if args.table_from:
+        from moe_extension.kernels._configs import sanitize, table_key
+
+        key = table_key(w1.shape[0], N, K, topk, torch.bfloat16, True, True, args.quant)
+        entry = table_entry(args.table_from, key, M)
+        if entry is None:
+            print(f"ab_fused_experts: {args.table_from} has no entry {key}", file=sys.stderr)
+            return 2
+        configs["table from " + Path(args.table_from).stem] = sanitize(entry, torch.bfloat16, N, K, topk, args.quant)
     if args.op == "expert_gemm2":
         inter = [torch.randn(M, topk, N, dtype=torch.bfloat16, device=w2.device) for _ in range(n)]
         gemm2_args = {k: v for k, v in quant_args.items() if k != "w1_scale"}

@@ -126,3 +126,21 @@ def test_kernel_times_rotate_the_input_sets(monkeypatch):
     times = ab_fused_experts.kernel_times_us(fn, 3)
     assert times == {"gemv": 11.0, "only_set_1": 2.0}
     assert launched[0] == ("gemv", 10.0), "a warm-up call on set 0 before the profiled ones"
+
+
+def test_table_from_option(tmp_path):
+    """--table-from: the other table's entry for the cell's key at the nearest M bucket; no entry -> None."""
+    import json
+
+    small = MoeConfig("sorted", 16, GemmConfig(64, 128, 4, 4), GemmConfig(128, 128, 4, 4))
+    big = MoeConfig("sorted", 128, GemmConfig(128, 128, 8, 3, tail_m=16), GemmConfig(128, 128, 4, 3))
+    path = tmp_path / "NVIDIA_X.json"
+    path.write_text(json.dumps({"configs": {"KEY": {"16": small.to_json(), "1024": big.to_json()}}}))
+    assert ab_fused_experts.table_entry(str(path), "KEY", 800) == big
+    assert ab_fused_experts.table_entry(str(path), "KEY", 32) == small
+    assert ab_fused_experts.table_entry(str(path), "OTHER", 800) is None
+    args = ab_fused_experts.parse_args(["--model", "gpt-oss-120b", "--tokens", "1024", "--table-from", str(path)])
+    assert args.table_from == str(path)
+    with pytest.raises(SystemExit):
+        ab_fused_experts.parse_args(["--model", "gpt-oss-120b", "--tokens", "64", "--table-from",
+                                     str(tmp_path / "missing.json")])
