@@ -114,8 +114,8 @@ def cell_weights(model: str, quant: str, local: int | None):
 
 
 def table_entry(path: str, key: str, M: int):
-    """The MoeConfig of tuned table ``path`` for ``key`` at the M bucket nearest M (as ``get_config`` picks it,
-    unsanitized), or None when the table has no entry for the key."""
+    """The MoeConfig of tuned table ``path`` for ``key`` at the M bucket nearest M on a log scale (``get_config``'s
+    measure; unsanitized), or None when the table has no entry for the key."""
     from moe_extension.kernels._configs import MoeConfig, _nearest_bucket
 
     with open(path) as f:
