@@ -105,6 +105,10 @@ class GemmConfig:
     # DOT_GEMV_QUANTS always run the tensor-core GEMVs and leave it False (``sanitize`` clears it but for 16-bit
     # dense weights on the direct path).
     dot: bool = False
+    # Sorted path: registers per thread that ptxas may use (0: its own choice). A cap lets one more program share
+    # an SM where registers, not shared memory, bound the programs per SM (more warps to hide each other's decode,
+    # MMA and load latencies), at the price of spills where the tile needs more.
+    max_registers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

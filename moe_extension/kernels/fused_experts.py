@@ -272,8 +272,7 @@ def _gemm1_sorted(x, w1, bias, out, out_sorted, routing: Routing, topk, act, wei
         BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, SIGNAL=signal,
         Q_OUT=out_scale is not None, A_Q=x_scale is not None, ROW_SCALES=fp8 and halves and two_n // 2 % 128 != 0,
-        PERSISTENT=persistent, NUM_SMS=sm_count(x.device) if persistent else 1,
-        **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        PERSISTENT=persistent, NUM_SMS=sm_count(x.device) if persistent else 1, **_tile_options(cfg, pdl),
     )
     return rows, rows_scale
 
@@ -334,9 +333,15 @@ def _gemm2_sorted(a, a_sorted, w2, bias, y, routing: Routing, topk, weights, cfg
         EVEN_K=(N % cfg.block_k == 0 and k_per_split % cfg.block_k == 0), DOT_PREC=_dot_precision(a.dtype, w2),
         BLOCK_M=routing.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         W_DESC=w_desc is not None, TAIL_M=cfg.tail_m, A_DESC=a_desc is not None, WAIT=wait_tiles_n1 > 0,
-        A_Q=a_scale is not None, TILE_M=0 if rows == routing.block_m else rows,
-        **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        A_Q=a_scale is not None, TILE_M=0 if rows == routing.block_m else rows, **_tile_options(cfg, pdl),
     )
+
+
+def _tile_options(cfg: GemmConfig, pdl: bool) -> dict:
+    """Launch options of a sorted-path tile: its warps and stages, its register cap where it sets one
+    (``GemmConfig.max_registers``), PDL as asked."""
+    cap = {"maxnreg": cfg.max_registers} if cfg.max_registers else {}
+    return pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap)
 
 
 def _persistent_gemm2_ok(a: torch.Tensor, w2: torch.Tensor, cfg: GemmConfig) -> bool:
