@@ -313,7 +313,8 @@ def fastest(time_fn, candidates, block_m: int):
 def tile_name(g) -> str:
     return (f"{g.block_n:3d}x{g.block_k:3d} w{g.num_warps} s{g.num_stages} g{g.group_m} split{g.split_k}"
             f"{' tma' if g.tma_weights else ''}{' tmaA' if g.tma_a else ''}{f' tail{g.tail_m}' if g.tail_m else ''}"
-            f"{' persistent' if g.persistent else ''}{f' rows{g.tile_m}' if g.tile_m else ''}")
+            f"{' persistent' if g.persistent else ''}{f' rows{g.tile_m}' if g.tile_m else ''}"
+            f"{f' regs{g.max_registers}' if g.max_registers else ''}")
 
 
 def direct_candidates(heuristic, quant: str = "none"):

@@ -515,6 +515,19 @@ def test_deterministic(cfg):
     assert torch.equal(first, second)
 
 
+def test_register_cap_reaches_the_sorted_launches():
+    """GemmConfig.max_registers is the sorted tiles' launch option ``maxnreg`` (ptxas's register cap); 0 leaves
+    the option out. A capped config computes the same output, bitwise."""
+    assert "maxnreg" not in fe._tile_options(GemmConfig(64, 128, 4, 3), False)
+    opts = fe._tile_options(GemmConfig(64, 128, 4, 3, max_registers=168), False)
+    assert (opts["maxnreg"], opts["num_warps"], opts["num_stages"]) == (168, 4, 3)
+    x, w1, w2, g, ids, kw = _case(7, 4, 5, 40, 24, CASE_DTYPES[0], bias=True, seed=9)
+    capped = dataclasses.replace(SORTED, gemm1=dataclasses.replace(SORTED.gemm1, max_registers=168),
+                                 gemm2=dataclasses.replace(SORTED.gemm2, max_registers=128))
+    assert torch.equal(fused_experts_triton(x, w1, w2, g, ids, "silu", config=capped, **kw),
+                       fused_experts_triton(x, w1, w2, g, ids, "silu", config=SORTED, **kw))
+
+
 @triton.jit
 def _wrap_kernel(out_ptr, n, SPAN: tl.constexpr):
     """out[pid, :SPAN] = wrap(pid + arange(SPAN), n, SPAN) for the program's start pid (< n)."""

@@ -453,6 +453,22 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
 # mxfp4_mma --model MODEL --tokens M --variant ...``.)
 MXFP4_MMA_WIDE_N = 1024
 
+# Register cap of the large layers' gemm1 tile at blocks of 64 (64 columns of gate and up on 4 warps, 66.5 KB of
+# shared memory): 168 = 65536 registers / (3 programs x 128 threads), rounded down to 8, so that a third program
+# shares each SM (ptxas's own choice, 196, fits two; at 168 it spills 8 bytes and its k loop issues 395 instructions
+# against 402: ``compile_report.py`` under Triton 3.6).
+# NOTE: H200, whole op, CUDA-graph medians of 5 interleaved rounds, outputs bitwise equal: gpt-oss-20b M 256
+# 237.2 -> 225.7 us, gpt-oss-120b M 1024 927.8 -> 885.4 (160: 890.7). ncu on the uncapped gemm1 at 120b M 1024:
+# 1.96 warps active per scheduler, tensor pipe 54% and ALU 43% of active cycles, about their sum in time: the
+# decode of one program and the MMA of another overlap little with two programs per SM. Not for other tiles:
+# gemm2 at blocks of 16 capped at 128 (four programs instead of three) no faster (120b M 256 565.3 -> 567.6,
+# 20b M 64 140.6 -> 141.3); Qwen3-30B-A3B's gemm2 (N 768) at 168 spills 240 bytes, M 1024 289.1 -> 296.0; fp8
+# block's gemm1 at blocks of 16 capped at 168 no faster on DeepSeek-V3 (M 64 2334.0 -> 2338.3) and slower on its
+# shard of 32 of 256 experts (315.2 -> 343.6). (benchmarks/results/ab_register_caps_h200.txt: ``python
+# benchmarks/ab_fused_experts.py --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"max_registers":
+# 168}}'``.)
+MXFP4_MMA_GEMM1_REGISTERS = 168
+
 
 def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: float, K: int, N: int,
                         num_sms: int) -> tuple[GemmConfig, GemmConfig]:
@@ -478,12 +494,13 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
                              split_k=split, tail_m=16 if wide else g2.tail_m, tma_a=g2.tma_a and not wide)
     if N >= MXFP4_MMA_WIDE_N and block_m >= 64:
         # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 run 256 weight rows (128 columns of gate
-        # and up) on 8 warps, blocks of 64 keep gemm1's tile and give gemm2 256 output columns on 8 warps with a
-        # 32-row tail tile (MXFP4_MMA_WIDE_N).
+        # and up) on 8 warps, blocks of 64 keep gemm1's tile, capped at three programs' registers per SM
+        # (MXFP4_MMA_GEMM1_REGISTERS), and give gemm2 256 output columns on 8 warps with a 32-row tail tile
+        # (MXFP4_MMA_WIDE_N).
         if wide:
             g1 = dataclasses.replace(g1, block_n=128, num_warps=8, tma_a=True, tail_m=16)
         else:
-            g1 = dataclasses.replace(g1, tma_a=True)
+            g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS)
             g2 = dataclasses.replace(g2, block_n=256, num_warps=8, tma_a=True, tail_m=32)
     return g1, g2
 
@@ -548,7 +565,11 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     topk 8, K 2048, N 768) gemv1 split 4 18.8 us against split 8 22.2; DeepSeek-V3's shard of 32 of 256 experts (1
     local pair on average) 21.3-22.3 us for every split tried (gemv1 4-16, gemv2 1-4): there the splits do not
     matter. Splits that are not powers of two were slower (H200, gpt-oss-120b MXFP4 at M = 1: 33.9 us against gemv1
-    split 3 37.3, gemv2 split 3 35.3, split 6 37.2; same file, run at cac8f66)."""
+    split 3 37.3, gemv2 split 3 35.3, split 6 37.2; same file, run at cac8f66).
+    NOTE: MXFP4, other tiles at gpt-oss-120b M = 1 on the H200, 28.6 us with these: 64-row tiles (gemv1 32 columns of
+    gate and up, gemv2 64 rows; twice the programs) 42.5 at the same splits, 39.9-42.4 at others; 128 rows on 8 warps
+    46.6 (benchmarks/results/ab_gemv_tiles_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma --model
+    gpt-oss-120b --tokens 1 --variant '{"gemm1": {"block_n": 32}, "gemm2": {"block_n": 64}}'``)."""
     fp8 = quant == "fp8_block"
 
     def split(g: GemmConfig, rows: int, tiles: int, reduction: int) -> GemmConfig:
