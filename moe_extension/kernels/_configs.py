@@ -457,8 +457,9 @@ MXFP4_MMA_WIDE_N = 1024
 # shared memory): 168 = 65536 registers / (3 programs x 128 threads), rounded down to 8, so that a third program
 # shares each SM (ptxas's own choice, 196, fits two; at 168 it spills 8 bytes and its k loop issues 395 instructions
 # against 402: ``compile_report.py`` under Triton 3.6).
-# NOTE: H200, whole op, CUDA-graph medians of 5 interleaved rounds, outputs bitwise equal: gpt-oss-20b M 256
-# 237.2 -> 225.7 us, gpt-oss-120b M 1024 927.8 -> 885.4 (160: 890.7). ncu on the uncapped gemm1 at 120b M 1024:
+# NOTE: H200, whole op, CUDA-graph medians of 5-7 interleaved rounds, outputs bitwise equal: gpt-oss-20b M 256
+# 237.2 -> 225.7 us, M 128 221.7 -> 210.1, gpt-oss-120b M 1024 927.8 -> 885.4 (160: 890.7; a second run 929.0 ->
+# 911.4), the Mixtral-8x7B shape M 256 (64 rows per expert) 564.0 -> 566.1. ncu on the uncapped gemm1 at 120b M 1024:
 # 1.96 warps active per scheduler, tensor pipe 54% and ALU 43% of active cycles, about their sum in time: the
 # decode of one program and the MMA of another overlap little with two programs per SM. Not for other tiles:
 # gemm2 at blocks of 16 capped at 128 (four programs instead of three) no faster (120b M 256 565.3 -> 567.6,
