@@ -205,13 +205,17 @@ def mxfp4_gemm2_candidates(block_m: int, small: bool):
 
 def mxfp4_mma_gemm1_candidates(block_m: int):
     """gemm1 tiles for MXFP4 in the MMA layout (128-column steps; 2 x block_n weight rows, at least 128, as the MMA's
-    M: ``mxfp4_mma_tiles``), each list led by the heuristic's 128 rows on 4 warps. 256 rows on 4 warps at block_m
-    >= 64 is left out: it ran 9-10x slower on the H100 (gpt-oss-120b, M 4096: 4366 against 476 us on 8 warps)."""
+    M: ``mxfp4_mma_tiles``), each list led by the heuristic's 128 rows on 4 warps; at blocks of 64 also that tile
+    capped at three programs' registers per SM (``MXFP4_MMA_GEMM1_REGISTERS``, the heuristic's for large layers).
+    256 rows on 4 warps at block_m >= 64 is left out: it ran 9-10x slower on the H100 (gpt-oss-120b, M 4096: 4366
+    against 476 us on 8 warps)."""
+    from moe_extension.kernels._configs import MXFP4_MMA_GEMM1_REGISTERS
     from moe_extension.kernels._configs import GemmConfig as G
 
     if block_m <= 32:
         return [G(64, 128, 4, 4), G(128, 128, 8, 4), G(64, 128, 4, 6), G(128, 128, 4, 4), G(128, 128, 8, 6)]
-    return [G(64, 128, 4, 3), G(128, 128, 8, 3), G(64, 128, 4, 4), G(128, 128, 8, 4)]
+    capped = [G(64, 128, 4, 3, max_registers=MXFP4_MMA_GEMM1_REGISTERS)] if block_m == 64 else []
+    return [G(64, 128, 4, 3), *capped, G(128, 128, 8, 3), G(64, 128, 4, 4), G(128, 128, 8, 4)]
 
 
 def mxfp4_mma_gemm2_candidates(block_m: int, small: bool):

@@ -25,7 +25,7 @@ import torch
 
 import moe_extension.kernels.fused_experts as fe
 from moe_extension.kernels import fused_experts_triton
-from moe_extension.kernels._configs import GemmConfig, MoeConfig, sanitize, table_key
+from moe_extension.kernels._configs import MXFP4_MMA_GEMM1_REGISTERS, GemmConfig, MoeConfig, sanitize, table_key
 from moe_extension.kernels._grouped_gemm import ACTIVATION_CODES
 from moe_extension.kernels._weight_formats import WeightOperand
 from moe_extension.ops import fused_experts_torch
@@ -116,6 +116,10 @@ def test_mxfp4_mma_candidates(block_m, small):
     for gs in (g1s, g2s):  # each tile with pointer-gathered and with TMA-loaded A rows
         assert {g for g in gs if g.tma_a} == {dataclasses.replace(g, tma_a=True) for g in gs if not g.tma_a}
     assert any(g.split_k > 1 for g in g2s) == (small and block_m <= 32)
+    # the heuristic's register cap of the first GEMM at blocks of 64, with and without TMA rows, and only there
+    capped = {(g.block_n, g.num_warps, g.max_registers) for g in g1s if g.max_registers}
+    assert capped == ({(64, 4, MXFP4_MMA_GEMM1_REGISTERS)} if block_m == 64 else set())
+    assert not any(g.max_registers for g in g2s)
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
