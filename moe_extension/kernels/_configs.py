@@ -465,7 +465,9 @@ MXFP4_MMA_WIDE_N = 1024
 # gemm2 at blocks of 16 capped at 128 (four programs instead of three) no faster (120b M 256 565.3 -> 567.6,
 # 20b M 64 140.6 -> 141.3); Qwen3-30B-A3B's gemm2 (N 768) at 168 spills 240 bytes, M 1024 289.1 -> 296.0; fp8
 # block's gemm1 at blocks of 16 capped at 168 no faster on DeepSeek-V3 (M 64 2334.0 -> 2338.3) and slower on its
-# shard of 32 of 256 experts (315.2 -> 343.6). (benchmarks/results/ab_register_caps_h200.txt: ``python
+# shard of 32 of 256 experts (315.2 -> 343.6). Nor a second program of gemm2 at blocks of 128 by 2 stages instead
+# of 3 (shared memory 74 KB, 255 registers): gpt-oss-20b M 4096 1722.3 -> 1740.3, M 1024 514.9 -> 530.5, gpt-oss-120b
+# M 4096 2005.8 -> 2051.4. (benchmarks/results/ab_register_caps_h200.txt: ``python
 # benchmarks/ab_fused_experts.py --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"max_registers":
 # 168}}'``.)
 MXFP4_MMA_GEMM1_REGISTERS = 168
