@@ -1,8 +1,10 @@
 """Compile the Triton kernels of one ``fused_experts`` call for sm_90 on any machine, no GPU needed, and report what
 ptxas says of each: registers, spilled bytes, shared memory, and whether its wgmma instructions run serialized
 (ptxas's C7515 "Potential Performance Loss" warning; in the SASS, a ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` wait after
-each wgmma instead of several in flight). A GPU session has 30 minutes; this finds tiles whose code spills or
-serializes before one starts.
+each wgmma instead of several in flight), and how many programs of it fit on one SM at once and what bounds that
+(``programs_per_sm``: registers, shared memory or warps; a tile bound by its registers below what its shared memory
+allows may take a register cap, ``GemmConfig.max_registers``, given by ``--variant``). A GPU session has 30 minutes;
+this finds tiles whose code spills or serializes before one starts.
 
 How: a child process runs the call in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, with TMA and
 programmatic dependent launch on as on an H100 and every kernel launch recorded instead of run. A second child
@@ -162,6 +164,21 @@ _PIPE_OF = {op: pipe for pipe, ops in PIPES.items() for op in ops}
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?\s*([^;]*);")
 
 
+# sm_90's limits on the programs resident on one SM (CUDA's occupancy rules): 64 K registers, allocated per warp in
+# units of 256; 228 KB of shared memory, of which the runtime reserves 1 KB per program; 64 warps.
+SM_REGISTERS, REGISTER_UNIT, SM_SHARED, SHARED_RESERVED, SM_WARPS = 65536, 256, 233472, 1024, 64
+
+
+def programs_per_sm(registers: int, num_warps: int, shared: int) -> tuple[int, str]:
+    """How many programs of a kernel fit on one sm_90 SM at once, and what bounds it ("registers", "shared",
+    "warps"; the first of them where two bound it equally)."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    limits = {"registers": SM_REGISTERS // (per_warp * num_warps), "shared": SM_SHARED // (shared + SHARED_RESERVED),
+              "warps": SM_WARPS // num_warps}
+    bound = min(limits, key=limits.get)
+    return limits[bound], bound
+
+
 def pipe_of(opcode: str) -> str:
     """The pipe a SASS opcode (without its modifiers) issues to (``PIPES``)."""
     if opcode in _PIPE_OF:
@@ -281,9 +298,10 @@ def main(argv=None) -> int:
         flags = " ".join(f"{k}={v}" for k, v in r.items() if k.isupper() and k in ("BM", "BLOCK_M", "BLOCK_N",
                                                                                   "BLOCK_K", "SPLIT", "TAIL_M"))
         serial = "SERIALIZED" if r["wgmma_serialized_warning"] else "pipelined" if r["wgmma"] else "no wgmma"
+        programs, bound = programs_per_sm(r["registers"], r["num_warps"], r["shared"])
         print(f"  {r['kernel']:24s} warps {r['num_warps']} stages {r['num_stages']} {flags:40s} registers "
               f"{r['registers']} spills {r['spill_stores']}/{r['spill_loads']} B  shared {r['shared']} B  wgmma "
-              f"{r['wgmma']} ({serial}; {r['wgmma_waits_for_all']} waits for all)")
+              f"{r['wgmma']} ({serial}; {r['wgmma_waits_for_all']} waits for all)  {programs} per SM ({bound})")
         mix = r["loop_mix"]
         if mix:
             print(f"  {'':24s} k loop per iteration: {mix['total']} instructions, " +
