@@ -170,13 +170,13 @@ SM_REGISTERS, REGISTER_UNIT, SM_SHARED, SHARED_RESERVED, SM_WARPS = 65536, 256, 
 
 
 def programs_per_sm(registers: int, num_warps: int, shared: int) -> tuple[int, str]:
-    """How many programs of a kernel fit on one sm_90 SM at once, and what bounds it ("registers", "shared",
-    "warps"; the first of them where two bound it equally)."""
+    """How many programs of a kernel fit on one sm_90 SM at once, and what bounds it: "registers", "shared" or
+    "warps", or those of them that bound it equally joined by " and "."""
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
     limits = {"registers": SM_REGISTERS // (per_warp * num_warps), "shared": SM_SHARED // (shared + SHARED_RESERVED),
               "warps": SM_WARPS // num_warps}
-    bound = min(limits, key=limits.get)
-    return limits[bound], bound
+    least = min(limits.values())
+    return least, " and ".join(name for name, n in limits.items() if n == least)
 
 
 def pipe_of(opcode: str) -> str:
@@ -298,10 +298,11 @@ def main(argv=None) -> int:
         flags = " ".join(f"{k}={v}" for k, v in r.items() if k.isupper() and k in ("BM", "BLOCK_M", "BLOCK_N",
                                                                                   "BLOCK_K", "SPLIT", "TAIL_M"))
         serial = "SERIALIZED" if r["wgmma_serialized_warning"] else "pipelined" if r["wgmma"] else "no wgmma"
-        programs, bound = programs_per_sm(r["registers"], r["num_warps"], r["shared"])
+        fit = ("{} per SM ({})".format(*programs_per_sm(r["registers"], r["num_warps"], r["shared"]))
+               if r["registers"] else "per SM unknown (no register count)")
         print(f"  {r['kernel']:24s} warps {r['num_warps']} stages {r['num_stages']} {flags:40s} registers "
               f"{r['registers']} spills {r['spill_stores']}/{r['spill_loads']} B  shared {r['shared']} B  wgmma "
-              f"{r['wgmma']} ({serial}; {r['wgmma_waits_for_all']} waits for all)  {programs} per SM ({bound})")
+              f"{r['wgmma']} ({serial}; {r['wgmma_waits_for_all']} waits for all)  {fit}")
         mix = r["loop_mix"]
         if mix:
             print(f"  {'':24s} k loop per iteration: {mix['total']} instructions, " +
