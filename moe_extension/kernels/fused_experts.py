@@ -120,12 +120,15 @@ def local_tokens(M: int, E: int, expert_map: torch.Tensor | None, quant: str = "
     with the direct schedule (chosen for 1 local token) took 458 us against 211 sorted. M = 1, the same shard,
     CUDA-graph medians over 8 random routings (0.75 local pairs on average): direct 59.4 us, sorted (the config
     of 2 tokens) 36.8; with no local pair 42.2 against 10.7 (the direct second GEMV's 3584 programs per token
-    cost 40 us with nothing to read), with one 63.7 against 55.2 (a scratch A/B of the two configs through
-    ``fused_experts_triton(config=...)``; its figure: the deepseek-v3-ep8 M = 1 cell of bench_zoo.py).
+    cost 40 us with nothing to read), with one 63.7 against 55.2 (the two configs timed through
+    ``fused_experts_triton(config=...)``, as ``python benchmarks/ab_fused_experts.py --model deepseek-v3
+    --local-experts 32 --tokens 1 --other-schedule`` now does; its figure: the deepseek-v3-ep8 M = 1 cell of
+    bench_zoo.py).
     NOTE: DeepSeek-V3's 32-expert shard of 256 in fp8 block on the H100, the direct schedule (the heuristic's
     config at 1 token) against the sorted one (its config at 2), CUDA-graph medians over 8 random routings: M = 1
-    25.1 against 40.7 us, M = 4 69.1 against 84.6 (a scratch A/B of the two configs through
-    ``fused_experts_triton(config=...)``; the figures of the op: the shard's cells of bench_fused_experts_fp8.py)."""
+    25.1 against 40.7 us, M = 4 69.1 against 84.6 (the two configs timed through ``fused_experts_triton(config=...)``,
+    as ``ab_fused_experts.py --quant fp8_block --activation silu --model deepseek-v3 --local-experts 32 --tokens M
+    --other-schedule`` now does; the figures of the op: the shard's cells of bench_fused_experts_fp8.py)."""
     if not is_shard(E, expert_map):
         return M
     share = M * E / expert_map.numel()
@@ -427,8 +430,8 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
     if w1.dot_gemvs or cfg.dot:
         if w1.fmt == WFMT_FP8_BLOCK and weights is None and x_scale is None:
             # NOTE: quantized in the GEMV's steps instead (the row as a 16-row tile), the DeepSeek-V3 layer's gemv1
-            # took 202.5 us at M = 1 on the H100 (1.16 TB/s; ncu: issue-bound, 2 warps per scheduler; a scratch
-            # timing of _gemv1, 128 weight rows on 4 warps, split 2). On e4m3 rows the tuner's gemv1 candidates take
+            # took 202.5 us at M = 1 on the H100 (1.16 TB/s; ncu: issue-bound, 2 warps per scheduler; _gemv1 timed
+            # alone, 128 weight rows on 4 warps, split 2). On e4m3 rows the tuner's gemv1 candidates take
             # 89.5 to 95.4 us (2.5-2.6 TB/s; ``python benchmarks/tune_fused_experts.py --quant fp8_block --tokens 1``).
             x, x_scale = quantize_fp8_rows(x, w1.ue8m0)
         tiles = cdiv(n_out, cfg.block_n)
