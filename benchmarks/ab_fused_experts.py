@@ -116,13 +116,10 @@ def cell_weights(model: str, quant: str, local: int | None):
 def table_entry(path: str, key: str, M: int):
     """The MoeConfig of tuned table ``path`` for ``key`` at the M bucket nearest M on a log scale (``get_config``'s
     measure; unsanitized), or None when the table has no entry for the key."""
-    from moe_extension.kernels._configs import MoeConfig, _nearest_bucket
+    from moe_extension.kernels._configs import _nearest_bucket, read_table
 
-    with open(path) as f:
-        per_m = json.load(f).get("configs", {}).get(key, {})
-    if not per_m:
-        return None
-    return MoeConfig.from_json(per_m[str(_nearest_bucket([int(m) for m in per_m], M))])
+    per_m = read_table(path).get(key, {})
+    return per_m[_nearest_bucket(list(per_m), M)] if per_m else None
 
 
 def apply(cfg, variant: dict):

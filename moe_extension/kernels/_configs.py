@@ -150,15 +150,18 @@ def table_path(device_name: str) -> Path:
     return CONFIG_DIR / f"{device_slug(device_name)}.json"
 
 
-@functools.lru_cache(maxsize=None)
-def _load_table(device_name: str) -> dict:
-    path = table_path(device_name)
-    if not path.exists():
-        return {}
+def read_table(path) -> dict:
+    """A tuned table file -> {key: {M bucket: MoeConfig}} (unsanitized)."""
     with open(path) as f:
         data = json.load(f)
     return {key: {int(m): MoeConfig.from_json(c) for m, c in per_m.items()}
             for key, per_m in data.get("configs", {}).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _load_table(device_name: str) -> dict:
+    path = table_path(device_name)
+    return read_table(path) if path.exists() else {}
 
 
 @functools.lru_cache(maxsize=None)
