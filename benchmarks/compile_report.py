@@ -15,7 +15,7 @@ is the one the ops would pick on ``--device`` for the model's shape (its tuned t
 ``--variant`` overrides as in ``ab_fused_experts.py``; the weights are ``--experts`` of the model's experts (the
 kernels' code does not depend on E), random, in ``--quant``'s format.
 
-Each kernel's row ends with the instruction mix of one iteration of its tensor-core loop (an innermost backward
+Each kernel's row is followed by the instruction mix of one iteration of its tensor-core loop (an innermost backward
 branch whose body holds wgmma, else mma.sync; ``loop_mix``) by the pipe the SASS issues to: ``alu`` (the integer /
 logic pipe: LOP3, SHF, PRMT, LEA, ISETP, SEL, IADD3, ...; half rate on Hopper), ``fma`` (IMAD and the float FMA /
 MUL / ADD of fp32 and bf16x2 / fp16x2), ``mem`` (loads, stores, copies to shared memory, atomics), ``mma`` (wgmma,
