@@ -16,6 +16,9 @@ dependent launch; ``--persistent-pdl`` adds it with the persistent gemm2 launche
 launcher's ``_gemm2_persistent`` wrapped by this script; the product launches it without).
 ``--direct-pdl`` adds it with the direct schedule's tensor-core GEMVs launched with PDL whatever the
 format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the product does so for fp8 block only).
+``--gemv-grids full`` (``work-list``) adds it with the direct schedule's tensor-core GEMVs launched with a program
+per item (with work lists wherever the items do not fit on the GPU at once) whatever the format and shard
+(``fused_experts._gemv_work_list`` replaced by this script).
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--table-from FILE`` adds the entry of another tuned table (``moe_extension/configs/<device>.json``, e.g. an H100's
 on an H200, which runs the heuristic) for this cell, at the M bucket nearest ``--tokens``: the heuristic against a
@@ -23,6 +26,7 @@ tuned config on any GPU.
 ``--routing-from FILE`` adds the table config with the device routing of another version of
 ``moe_extension/kernels/_routing.py`` (``git show REV:moe_extension/kernels/_routing.py > FILE``): its ``route``
 swapped in for the call, as the PDL options above swap launchers.
+``--local-pairs K`` (with ``--local-experts``) reroutes every input set so that exactly K of its slots are local.
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
 bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
 random routing over all E, so most slots are elsewhere); triton_kernels is timed on bf16 weights of all E only.
@@ -68,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the heuristic's config of the other schedule (direct <-> sorted)")
     p.add_argument("--direct-pdl", action="store_true",
                    help="also time the table config with the direct schedule's GEMVs launched with PDL")
+    p.add_argument("--gemv-grids", choices=("full", "work-list"), default=None,
+                   help="also time the table config with the direct tensor-core GEMVs' grids forced: one program per "
+                        "(tile, pair, split) item, or work lists where the items do not fit the GPU at once")
     p.add_argument("--table-from", default=None, metavar="FILE",
                    help="also time this tuned table's entry for the cell (a moe_extension/configs/*.json file)")
     p.add_argument("--routing-from", default=None, metavar="FILE",
@@ -78,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="expert weight format (default: bf16 weights)")
     p.add_argument("--local-experts", type=int, default=None, metavar="L",
                    help="only the first L of the model's E experts here, through an expert_map")
+    p.add_argument("--local-pairs", type=int, default=None, metavar="K",
+                   help="with --local-experts: every input set routes exactly K of its M * topk slots here")
     args = p.parse_args(argv)
     if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from):
         p.error("--no-pdl, --persistent-pdl, --direct-pdl and --routing-from time fused_experts only")
@@ -87,7 +96,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--table-from: no file {args.table_from}")
     if args.local_experts is not None and args.local_experts < 1:
         p.error("--local-experts takes a positive count")
+    if args.local_pairs is not None and (args.local_experts is None or args.local_pairs < 0):
+        p.error("--local-pairs takes a count >= 0, with --local-experts")
     return args
+
+
+def with_local_pairs(ids, L: int, E: int, k: int, gen):
+    """``ids`` [M, topk] (distinct ids per token) rerouted so that exactly ``k`` slots, drawn at random, hold one of
+    the first ``L`` experts and the others one of the rest (ids stay distinct within a token)."""
+    import torch
+
+    M, topk = ids.shape
+    if not 0 <= k <= min(M * topk, M * L) or topk > E - L + min(topk, L):
+        raise ValueError(f"cannot route {k} of {M} x {topk} slots to {L} of {E} experts")
+    out = torch.empty_like(ids)
+    here = torch.zeros(M * topk, dtype=torch.bool)
+    while True:  # k slots at random, at most L of them in one token
+        here[:] = False
+        here[torch.randperm(M * topk, generator=gen)[:k]] = True
+        if (here.view(M, topk).sum(dim=1) <= L).all():
+            break
+    here = here.view(M, topk)
+    for t in range(M):
+        n = int(here[t].sum())
+        local = torch.randperm(L, generator=gen)[:n]
+        remote = L + torch.randperm(E - L, generator=gen)[:topk - n]
+        out[t, here[t]] = local.to(ids.device, ids.dtype)
+        out[t, ~here[t]] = remote.to(ids.device, ids.dtype)
+    return out
 
 
 def cell_weights(model: str, quant: str, local: int | None):
@@ -168,6 +204,9 @@ def main(argv=None) -> int:
     w1_ops, w2_ops, expert_map = cell_weights(args.model, args.quant, args.local_experts)
     w1, w2, quant_args = T.fused_call_args(w1_ops, w2_ops)
     sets = T.make_sets(E, topk, K, M, torch.bfloat16, args.sets)
+    if args.local_pairs is not None:
+        gen = torch.Generator().manual_seed(1)
+        sets = [(x, g, with_local_pairs(ids, args.local_experts, E, args.local_pairs, gen)) for x, g, ids in sets]
     n = len(sets)
     table = fe.select_config(M, sets[0][0], fe.WeightOperand.of(w1_ops), fe.WeightOperand.of(w2_ops), topk, None,
                              args.quant, expert_map)
@@ -231,6 +270,18 @@ def main(argv=None) -> int:
                 fe._gemv1, fe._gemv2 = launch_gemvs
 
         runs["table, direct GEMVs PDL"] = direct_pdl
+    if args.gemv_grids:
+        work_list_rule = fe._gemv_work_list
+
+        def forced_grids(i):
+            # the GEMVs' grids as asked, for this call only (captured with the call, as above)
+            fe._gemv_work_list = lambda w, shard: args.gemv_grids == "work-list"
+            try:
+                return call(table, i)
+            finally:
+                fe._gemv_work_list = work_list_rule
+
+        runs[f"table, GEMV grids {args.gemv_grids}"] = forced_grids
     if args.routing_from:
         from harness import load_module
 
@@ -252,6 +303,8 @@ def main(argv=None) -> int:
                                                             T.ACTIVATION)
     what = args.activation if args.op == "fused_experts" else args.op
     where = "" if args.local_experts is None else f"  {args.local_experts} of {E} experts here"
+    if args.local_pairs is not None:
+        where += f", {args.local_pairs} local pairs per set"
     print(f"{torch.cuda.get_device_name()}  {args.model} M={M}  {what}  quant={args.quant}{where}  "
           f"{args.rounds} interleaved rounds")
     ref = runs["table"](0)

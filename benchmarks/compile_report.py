@@ -97,6 +97,7 @@ def record_launches(args) -> None:
     interpreter.InterpretedFunction.run = record
     fe.tma_capable = fe.pdl_capable = fe._ptx = lambda device: True  # as on sm_90
     _configs._device_facts = lambda device: (args.device, 132)
+    fe.sm_count = lambda device: 132  # the launches' grids as on the GPU (the direct GEMVs' work lists)
     L = min(max(args.experts, topk), E)
     emap = None
     if args.shard:

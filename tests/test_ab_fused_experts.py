@@ -57,6 +57,26 @@ def test_quant_local_experts_and_direct_pdl_options():
             ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", *bad])
 
 
+def test_local_pairs_option():
+    """--local-pairs K: every set's routing has exactly K slots on the first L experts, ids distinct per token."""
+    import torch
+
+    args = ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "2", "--local-experts", "32",
+                                        "--local-pairs", "0"])
+    assert args.local_pairs == 0
+    for bad in (["--local-pairs", "1"], ["--local-experts", "32", "--local-pairs", "-1"]):
+        with pytest.raises(SystemExit):
+            ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", *bad])
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(256)[:8] for _ in range(3)]).to(torch.int32)
+    for k in (0, 1, 3, 24):
+        out = ab_fused_experts.with_local_pairs(ids, 32, 256, k, gen)
+        assert out.dtype == ids.dtype and out.shape == ids.shape and int((out < 32).sum()) == k
+        assert all(len(set(row.tolist())) == 8 for row in out) and (out >= 0).all() and (out < 256).all()
+    with pytest.raises(ValueError):
+        ab_fused_experts.with_local_pairs(ids, 2, 256, 7, gen)  # 3 tokens hold at most 6 of 2 experts
+
+
 def test_cell_weights_of_a_shard(monkeypatch):
     """--quant / --local-experts: the first L experts' stacks in the format, and the map of the E ids onto them."""
     import torch

@@ -29,7 +29,7 @@ import moe_extension.kernels.fused_experts as fe
 from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
 from moe_extension.kernels._configs import GemmConfig, MoeConfig
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
-from moe_extension.kernels._weight_formats import fp8_weight_scales
+from moe_extension.kernels._weight_formats import WeightOperand, fp8_weight_scales
 from moe_extension.ops import fused_experts_torch
 from moe_extension.ops.expert_gemm import expert_gemm1_torch, expert_gemm2_torch
 from moe_extension.quant import e8m0_to_float, quantize_fp8_block, quantize_fp8_per_token_group
@@ -335,6 +335,60 @@ def test_direct_slot_sum_over_the_valid_slots(poisoned, name):  # noqa: F811  (t
     out = fused_experts_triton(x, w1, w2, g, ids, "silu", config=cfg, **kw)
     assert out.isfinite().all() and (out[0] == 0).all()
     assert rel_err(out, fused_experts_torch(x, w1, w2, g, ids, "silu", **kw)) <= TOLS[x.dtype]
+
+
+def test_gemv_work_lists_only_for_fp8_block_shards():
+    """The direct tensor-core GEMVs take work lists for fp8 block weights on an expert-parallel shard expecting few
+    local pairs only, and only where a program per item would not fit on the GPU at once (4 SMs off the GPU, 4
+    programs each here)."""
+    fp8 = WeightOperand(torch.empty(1, 128, 256), torch.empty(1, 1, 2), "fp8_block")
+    mma = WeightOperand(torch.empty(1, 128, 128, dtype=torch.uint8), torch.empty(1, 128, 8, dtype=torch.uint8),
+                           "mxfp4_mma")
+    dense = WeightOperand.of(torch.empty(1, 128, 256, dtype=torch.bfloat16))
+    few = fe.GEMV_WORK_LIST_PAIRS
+    assert fe._gemv_work_list(fp8, 1) and fe._gemv_work_list(fp8, few) and not fe._gemv_work_list(fp8, few + 1)
+    assert not fe._gemv_work_list(fp8, None), "not a shard"
+    assert not fe._gemv_work_list(mma, 1) and not fe._gemv_work_list(dense, 1)
+    emap = torch.full((256,), -1, dtype=torch.int32)
+    assert fe.local_pairs(1, 8, 32, emap) == 1 and fe.local_pairs(4, 8, 32, emap) == 4  # DeepSeek-V3, 32 of 256
+    cpu, cfg = torch.device("cpu"), DIRECT_SPLIT.gemm2
+    assert fe._gemv_grid(2, 4, 2, cfg, 128, fp8, cpu, True) == ((2, 4, 2), False), "16 items fit: one each"
+    assert fe._gemv_grid(2, 5, 2, cfg, 128, fp8, cpu, True) == ((16,), True)
+    assert fe._gemv_grid(2, 5, 2, cfg, 128, fp8, cpu, False) == ((2, 5, 2), False)
+
+
+@interpreted
+def test_direct_gemvs_take_the_pairs_with_work_past_a_scan_chunk(poisoned):  # noqa: F811  (the fixture)
+    """The direct GEMVs' work lists on an fp8 block shard: 12 and 16 programs (4 SMs in the interpreter), fewer than
+    the items, take the (tile, pair, split) items of the pairs with work in turn, found by scanning the pairs 64 at a
+    time: 84 pairs, the valid ones and the tokens without any valid slot on both sides of pair 64 (the fused op:
+    their zeros; the unfused GEMMs: every valid pair's row), against the PyTorch implementation."""
+    E, K, N, topk, M = 2, 256, 128, 4, 21
+    emap = torch.full((100,), -1, dtype=torch.int32)
+    emap[10], emap[20] = 0, 1  # 2 of 100 experts here: 2 local pairs of the 84 expected
+    w1, s1, w2, s2, b1, b2 = fp8_experts(E, K, N, bias=True, seed=5)
+    assert fe._gemv_work_list(WeightOperand(w1, s1, "fp8_block"), fe.local_pairs(M, topk, E, emap))
+    assert fe._gemv_grid(1, M * topk, 2, DIRECT_SPLIT.gemm1, 256, WeightOperand(w1, s1, "fp8_block"),
+                         torch.device("cpu"), True) == ((12,), True), "3 programs of 256 weight rows per SM"
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (M, topk), generator=gen)
+    ids[(ids == 10) | (ids == 20)] = 11
+    for t, j, e in [(0, 1, 10), (5, 0, 20), (9, 3, 10), (16, 2, 20), (17, 0, 10), (17, 3, 20), (20, 1, 10)]:
+        ids[t, j] = e  # valid slots on both sides of pair 64 (token 16's slots are pairs 64..67)
+    ids = ids.to(torch.int32)
+    valid = valid_slots(ids, emap, E)
+    assert valid.flatten()[64:].any() and valid.flatten()[:64].any() and valid.sum() == 7
+    g = torch.rand(M, topk, generator=gen).masked_fill(~valid, float("nan"))
+    x = torch.randn(M, K, generator=gen)
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, quant="fp8_block", w1_scale=s1, w2_scale=s2)
+    out = fused_experts_triton(x, w1, w2, g, ids, "silu", config=DIRECT_SPLIT, **kw)
+    assert out.isfinite().all() and (out[~valid.any(dim=1)] == 0).all()
+    assert rel_err(out, fused_experts_torch(x, w1, w2, g, ids, "silu", **kw)) <= TOLS[x.dtype]
+    a = torch.randn(M, topk, N, generator=gen)
+    y = expert_gemm2_triton(a, w2, ids, w2_bias=b2, quant="fp8_block", w2_scale=s2, config=DIRECT_SPLIT,
+                            expert_map=emap)
+    y_ref = expert_gemm2_torch(a, w2, ids, w2_bias=b2, quant="fp8_block", w2_scale=s2, expert_map=emap)
+    assert rel_err(y[valid], y_ref[valid]) <= TOLS[x.dtype] and (y[~valid] == 0).all()
 
 
 @interpreted

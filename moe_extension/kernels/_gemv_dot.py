@@ -10,21 +10,26 @@ by one activation row over one split of the reduction: ``dot_step_t`` with the t
 the row as column 0 of its 16 (the other columns are zeros), so the weights are decoded (MXFP4) or the row quantized
 (fp8 block, per 128 columns) exactly as in the sorted kernels.
 
-- ``gemv1_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): x[t] times the rows of gemm1's output tile (2 BLOCK_N
-  rows with a gated activation, stacked as in ``_grouped_gemm._gemm1_block``) -> ``a[p, tile]`` with gemm1's
-  epilogue (router weight or not, bias, activation). Programs of invalid pairs exit (their rows untouched).
-- ``gemv2_dot_kernel``, grid (cdiv(N_OUT, BLOCK_N), P, SPLIT): W2[e] rows times a[t, j] -> ``out[t, tile]`` summed
-  over the token's slots in slot order (SUM_SLOTS; a token without valid slots gets 0), or ``out[t, j, tile]`` per
-  pair (rows of invalid pairs untouched), with bias and router weight as gemm2. Programs of invalid pairs exit; with
-  SUM_SLOTS those of split 0, slot 0 of a token without valid slots store its zeros.
+Items (tile of output columns, pair, split of the reduction); a pair has work when its slot is valid (gemv2 with
+SUM_SLOTS also slot 0 of a token without valid slots: that token's zeros, at split 0). Grid (cdiv(N_OUT, BLOCK_N),
+P, SPLIT): a program per item, those of pairs without work exit. With WORK_LIST, grid (programs,): each program
+takes the items of the pairs with work in turn (item ``i``, ``i + programs``, ...), the pairs found in order by
+scanning them CHUNK at a time (``_active_pairs``, ``_nth_active``); the host's choice (``fused_experts._gemv_grid``,
+``_gemv_work_list``), where the waves of exiting programs of an expert-parallel shard cost more than the loop.
 
-NOTE: the grids cover every pair, also on an expert-parallel shard where few are valid. Grids of pair groups sized by
-the pairs expected here, whose programs took their group's valid pairs one after the other, were never faster on the
-H200 and slower where a program took several (DeepSeek-V3 fp8 block, 32 of 256 experts: M = 1 16.3 against 16.1 us,
-M = 8 94.9 against 90.2; Qwen3-30B-A3B, 16 of 128: M = 1 10.3 against 8.4): the exiting programs cost little, and the
-loop over pairs held 133-254 registers against 40-94 (benchmarks/results/ab_pair_groups_h200.txt: ``python
+- ``gemv1_dot_kernel``: x[t] times the rows of gemm1's output tile (2 BLOCK_N rows with a gated activation, stacked
+  as in ``_grouped_gemm._gemm1_block``) -> ``a[p, tile]`` with gemm1's epilogue (router weight or not, bias,
+  activation); rows of invalid pairs untouched.
+- ``gemv2_dot_kernel``: W2[e] rows times a[t, j] -> ``out[t, tile]`` summed over the token's slots in slot order
+  (SUM_SLOTS; a token without valid slots gets 0), or ``out[t, j, tile]`` per pair (rows of invalid pairs
+  untouched), with bias and router weight as gemm2.
+
+NOTE: grids of pair groups sized by the pairs expected here, whose programs took their group's valid pairs one after
+the other, were never faster on the H200 and slower where a program took several (DeepSeek-V3 fp8 block, 32 of 256
+experts: M = 1 16.3 against 16.1 us, M = 8 94.9 against 90.2; Qwen3-30B-A3B, 16 of 128: M = 1 10.3 against 8.4),
+and the loop over pairs held 133-254 registers against 40-94 (benchmarks/results/ab_pair_groups_h200.txt: ``python
 benchmarks/ab_fused_experts.py --quant fp8_block --activation silu --model deepseek-v3 --tokens 1 --local-experts 32
---all-pair-groups`` at 22e42fd).
+--all-pair-groups`` at 22e42fd). The work lists spread the items with work over all programs instead.
 
 Split reduction: with SPLIT > 1 (gemv2: or more than one valid slot per output tile), each program stores its fp32
 partial sum in ``part``, then increments its output tile's counter in ``cnt`` (int32, zeroed by the caller; release:
@@ -53,6 +58,9 @@ from moe_extension.kernels._lora import lora_rows_delta
 from moe_extension.kernels._routing import local_expert
 from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quantize_fp8_groups, tile_ptrs,
                                                    weight_advance)
+
+# Pairs scanned at a time for those with work (``_active_pairs``); a decode call has a few to a few dozen.
+CHUNK = tl.constexpr(64)
 
 
 @triton.jit
@@ -101,6 +109,51 @@ def _arrive(cnt_ptr, expected):
     return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == expected - 1
 
 
+@triton.jit
+def _active(pp, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map, ZERO_ROWS: tl.constexpr):
+    """Whether the pairs ``pp`` (int32 [CHUNK]) have work: a valid slot, or (ZERO_ROWS) slot 0 of a token none of
+    whose slots is valid (its output row of zeros)."""
+    _, ok = local_expert(ids_ptr, pp, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+    if ZERO_ROWS:
+        first = (pp // topk) * topk
+        any_ok = pp < 0
+        for jj in range(0, topk):
+            _, o = local_expert(ids_ptr, first + jj, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+            any_ok = any_ok | o
+        ok = ok | ((pp == first) & (pp < P) & ~any_ok)
+    return ok
+
+
+@triton.jit
+def _active_pairs(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map, ZERO_ROWS: tl.constexpr):
+    """The pairs with work (``_active``): the first CHUNK pairs' indices, flags and running counts, and the count
+    over all P pairs."""
+    pp0 = tl.arange(0, CHUNK)
+    act0 = _active(pp0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map, ZERO_ROWS)
+    cum0 = tl.cumsum(act0.to(tl.int32), axis=0)
+    n = tl.sum(act0.to(tl.int32), axis=0)
+    for c0 in range(CHUNK, P, CHUNK):
+        act = _active(c0 + pp0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map, ZERO_ROWS)
+        n += tl.sum(act.to(tl.int32), axis=0)
+    return pp0, act0, cum0, n
+
+
+@triton.jit
+def _nth_active(q, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
+                ZERO_ROWS: tl.constexpr):
+    """The pair of the q-th (from 0) pair with work, in pair order (q below their count)."""
+    p = tl.max(tl.where(act0 & (cum0 == q + 1), pp0, -1), axis=0)
+    n = tl.max(cum0, axis=0)
+    if q >= n:  # past the first CHUNK pairs (P > CHUNK): scan on
+        for c0 in range(CHUNK, P, CHUNK):
+            act = _active(c0 + pp0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
+                          ZERO_ROWS)
+            cum = n + tl.cumsum(act.to(tl.int32), axis=0)
+            p = tl.maximum(p, tl.max(tl.where(act & (cum == q + 1), c0 + pp0, -1), axis=0))
+            n = tl.max(cum, axis=0)
+    return p
+
+
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
                                *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
 def gemv1_dot_kernel(
@@ -111,7 +164,7 @@ def gemv1_dot_kernel(
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr, WORK_LIST: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
     [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
@@ -120,51 +173,65 @@ def gemv1_dot_kernel(
     output is stored quantized for gemm2 (e4m3 values in ``out``, scales per 128 columns in ``os_ptr``, row stride
     ``stride_osm``), as ``quantize_fp8_groups`` computes them from the fp32 result."""
     tl.static_assert(not LORA or ACT == 0, "the LoRA expand is fused without an activation only")
-    pid_n = tl.program_id(0)
-    p = tl.program_id(1)
-    s = tl.program_id(2)
-    expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-    if not valid:
-        return
-    t = p // topk
-    n0 = pid_n * BLOCK_N
+    tiles = tl.cdiv(N_OUT, BLOCK_N)
+    per_pair = tiles * SPLIT
     W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
-    wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N)
-    zero = tl.zeros([1], dtype=tl.int32)
-    g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk + zero,
-                mask=zero + router_on_input != 0, other=1.0).to(tl.float32)
-    k0 = s * k_per_split
+    if WORK_LIST:
+        pp0, act0, cum0, n_active = _active_pairs(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
+                                                  has_map, False)
+        start, end, step = tl.program_id(0), n_active * per_pair, tl.num_programs(0)
+    else:
+        start, end, step = 0, 1, 1
     grid_dependency(PDL)
-    h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, xs_ptr + t.to(tl.int64) * stride_xsm, w_ptr, ws_ptr,
-                        expert.to(tl.int64), wr, g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
-                        stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K, EVEN_K, WFMT,
-                        PTX, DOT_PREC, G_ON_A, A_Q)
-    if SPLIT > 1:
-        tiles = tl.num_programs(0)
-        tile = p * tiles + pid_n
-        c = tl.arange(0, W_ROWS)
-        tl.store(part_ptr + (s * P * tiles + tile).to(tl.int64) * W_ROWS + c, h)
-        if not _arrive(cnt_ptr + tile, SPLIT):
-            return
-        h = tl.zeros([W_ROWS], dtype=tl.float32)
-        for ss in range(SPLIT):
-            h += tl.load(part_ptr + (ss * P * tiles + tile).to(tl.int64) * W_ROWS + c, cache_modifier=".cg")
-    result = gemm1_epilogue(h[None, :], g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be, stride_bn, alpha,
-                            limit, ACT, G_ON_A)
-    result = tl.reshape(result, (BLOCK_N,))
-    if LORA:
-        delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                                        lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
-        result = tl.where(active, result + g * delta, result)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    if Q_OUT:
-        # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax.
-        result, q_s = quantize_fp8_groups(tl.where(offs_n < N_OUT, result, 0.0), PTX,
-                                          ws_ptr.dtype.element_ty == tl.uint8)
-        offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
-        tl.store(os_ptr + p.to(tl.int64) * stride_osm + offs_g, q_s, mask=offs_g < tl.cdiv(N_OUT, 128))
-    tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),
-             mask=offs_n < N_OUT)
+    for item in range(start, end, step):
+        if WORK_LIST:
+            q = item // per_pair
+            pid_n = (item - q * per_pair) // SPLIT
+            s = item - q * per_pair - pid_n * SPLIT
+            p = _nth_active(q, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
+                            has_map, False)
+        else:
+            pid_n, p, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+        if valid:
+            t = p // topk
+            n0 = pid_n * BLOCK_N
+            wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N)
+            zero = tl.zeros([1], dtype=tl.int32)
+            g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk + zero,
+                        mask=zero + router_on_input != 0, other=1.0).to(tl.float32)
+            k0 = s * k_per_split
+            h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, xs_ptr + t.to(tl.int64) * stride_xsm, w_ptr,
+                                ws_ptr, expert.to(tl.int64), wr, g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
+                                stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, W_ROWS, BLOCK_K,
+                                EVEN_K, WFMT, PTX, DOT_PREC, G_ON_A, A_Q)
+            last = True
+            if SPLIT > 1:
+                tile = p * tiles + pid_n
+                c = tl.arange(0, W_ROWS)
+                tl.store(part_ptr + (s * P * tiles + tile).to(tl.int64) * W_ROWS + c, h)
+                last = _arrive(cnt_ptr + tile, SPLIT)
+                if last:
+                    h = tl.zeros([W_ROWS], dtype=tl.float32)
+                    for ss in range(SPLIT):
+                        h += tl.load(part_ptr + (ss * P * tiles + tile).to(tl.int64) * W_ROWS + c, cache_modifier=".cg")
+            if last:
+                result = gemm1_epilogue(h[None, :], g, bias_ptr, expert, wr, has_bias, N_OUT, N_HALF, stride_be,
+                                        stride_bn, alpha, limit, ACT, G_ON_A)
+                result = tl.reshape(result, (BLOCK_N,))
+                if LORA:
+                    delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn,
+                                                    stride_lbr, lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
+                    result = tl.where(active, result + g * delta, result)
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                if Q_OUT:
+                    # Columns past N_OUT (wrapped weight rows) stay out of the groups' amax.
+                    result, q_s = quantize_fp8_groups(tl.where(offs_n < N_OUT, result, 0.0), PTX,
+                                                      ws_ptr.dtype.element_ty == tl.uint8)
+                    offs_g = n0 // 128 + tl.arange(0, BLOCK_N // 128)
+                    tl.store(os_ptr + p.to(tl.int64) * stride_osm + offs_g, q_s, mask=offs_g < tl.cdiv(N_OUT, 128))
+                tl.store(out_ptr + p.to(tl.int64) * stride_om + offs_n * stride_on, result.to(out_ptr.dtype.element_ty),
+                         mask=offs_n < N_OUT)
 
 
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "nslot", "has_map", "has_bias", "apply_weight",
@@ -177,71 +244,86 @@ def gemv2_dot_kernel(
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-    LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr, PDL: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr, PDL: tl.constexpr, WORK_LIST: tl.constexpr,
 ):
     """out of gemm2 (module docstring): nslot = topk (SUM_SLOTS) or 1, SLOTS >= nslot a power of two; ``part``
     [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1. LORA (per pair only):
     plus ``g B[l, e] u[p]`` on the active pairs, as in ``gemv1_dot_kernel``. A_Q (fp8 block): ``a`` holds e4m3
     values, ``as_ptr`` their scales per pair and 128 columns (pair stride ``stride_asp``)."""
     tl.static_assert(not LORA or not SUM_SLOTS, "the LoRA expand is fused per pair only")
-    pid_n = tl.program_id(0)
-    p = tl.program_id(1)
-    s = tl.program_id(2)
-    t = p // topk
-    j = p - t * topk
-    expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
-    if SUM_SLOTS:
-        first, slot0, group = t * topk, 0, t
-    else:
-        first, slot0, group = p, j, p
-    jj = tl.arange(0, SLOTS)
-    e_vec, ok_vec = local_expert(ids_ptr, first + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
-                                 E_global, E, topk, has_map)
-    if SUM_SLOTS:
-        # Only the token's valid slots take part (an expert-parallel shard's token has few): the programs of the
-        # others exit, and a token without any gets its zeros from the programs of slot 0, split 0.
-        valid_slots = tl.sum(ok_vec.to(tl.int32), axis=0)
-        if (valid == 0) & ((valid_slots > 0) | (j > 0) | (s > 0)):
-            return
-        arrivals = valid_slots * SPLIT
-    else:
-        if not valid:
-            return
-        arrivals = SPLIT
-    tiles = tl.num_programs(0)
-    n0 = pid_n * BLOCK_N
+    tiles = tl.cdiv(N_OUT, BLOCK_N)
+    per_pair = tiles * SPLIT
     c = tl.arange(0, BLOCK_N)
-    wr = wrap(n0 + c, N_OUT, BLOCK_N)
-    h = tl.zeros([BLOCK_N], dtype=tl.float32)
-    grid_dependency(PDL)
-    if valid:
-        k0 = s * k_per_split
-        h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj, as_ptr + p.to(tl.int64) * stride_asp,
-                            w_ptr, ws_ptr, expert.to(tl.int64), wr, 1.0, k0,
-                            tl.minimum(K, k0 + k_per_split), stride_ak, stride_we, stride_wn, stride_wk, stride_se,
-                            stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC, False, A_Q)
-        if arrivals > 1:
-            tl.store(part_ptr + (s * P * tiles + p * tiles + pid_n).to(tl.int64) * BLOCK_N + c, h)
-    if arrivals > 1:
-        if not _arrive(cnt_ptr + group * tiles + pid_n, arrivals):
-            return
-    if arrivals > 1:
-        acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
-        for ss in range(SPLIT):
-            acc += tl.load(part_ptr + (ss * P * tiles + (first + jj) * tiles + pid_n).to(tl.int64)[:, None] * BLOCK_N
-                           + c[None, :], mask=ok_vec[:, None], other=0.0, cache_modifier=".cg")
+    jj = tl.arange(0, SLOTS)
+    if WORK_LIST:
+        pp0, act0, cum0, n_active = _active_pairs(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
+                                                  has_map, SUM_SLOTS)
+        start, end, step = tl.program_id(0), n_active * per_pair, tl.num_programs(0)
     else:
-        acc = tl.where(ok_vec[:, None], tl.broadcast_to(h[None, :], (SLOTS, BLOCK_N)), 0.0)
-    e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
-    b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))
-    acc += tl.load(bias_ptr + e64[:, None] * stride_be + wr[None, :] * stride_bn, mask=b_ok, other=0.0).to(tl.float32)
-    g_vec = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (slot0 + jj) * stride_gk,
-                    mask=ok_vec & (jj < tl.where(apply_weight != 0, nslot, 0)), other=1.0).to(tl.float32)
-    out = tl.sum(acc * tl.where(ok_vec, g_vec, 0.0)[:, None], axis=0)
-    if LORA:
-        delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr,
-                                        lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
-        out = tl.where(active, out + tl.sum(g_vec, axis=0) * delta, out)
-    offs_n = n0 + c
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on,
-             out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)
+        start, end, step = 0, 1, 1
+    grid_dependency(PDL)
+    for item in range(start, end, step):
+        if WORK_LIST:
+            q = item // per_pair
+            pid_n = (item - q * per_pair) // SPLIT
+            s = item - q * per_pair - pid_n * SPLIT
+            p = _nth_active(q, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
+                            has_map, SUM_SLOTS)
+        else:
+            pid_n, p, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t = p // topk
+        j = p - t * topk
+        expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
+        if SUM_SLOTS:
+            first, slot0, group = t * topk, 0, t
+        else:
+            first, slot0, group = p, j, p
+        e_vec, ok_vec = local_expert(ids_ptr, first + jj, tl.where(jj < nslot, P, 0), stride_im, stride_ik, map_ptr,
+                                     E_global, E, topk, has_map)
+        if SUM_SLOTS:
+            # Only the token's valid slots take part (an expert-parallel shard's token has few); a token without
+            # any gets its zeros from its slot 0 at split 0.
+            valid_slots = tl.sum(ok_vec.to(tl.int32), axis=0)
+            run = valid | ((valid_slots == 0) & (j == 0) & (s == 0))
+            arrivals = valid_slots * SPLIT
+        else:
+            run = valid
+            arrivals = SPLIT
+        if run:
+            n0 = pid_n * BLOCK_N
+            wr = wrap(n0 + c, N_OUT, BLOCK_N)
+            h = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if valid:
+                k0 = s * k_per_split
+                h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj,
+                                    as_ptr + p.to(tl.int64) * stride_asp, w_ptr, ws_ptr, expert.to(tl.int64), wr, 1.0,
+                                    k0, tl.minimum(K, k0 + k_per_split), stride_ak, stride_we, stride_wn, stride_wk,
+                                    stride_se, stride_sn, stride_sk, BLOCK_N, BLOCK_K, EVEN_K, WFMT, PTX, DOT_PREC,
+                                    False, A_Q)
+                if arrivals > 1:
+                    tl.store(part_ptr + (s * P * tiles + p * tiles + pid_n).to(tl.int64) * BLOCK_N + c, h)
+            last = arrivals <= 1
+            if arrivals > 1:
+                last = _arrive(cnt_ptr + group * tiles + pid_n, arrivals)
+            if last:
+                if arrivals > 1:
+                    acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
+                    for ss in range(SPLIT):
+                        acc += tl.load(part_ptr + (ss * P * tiles + (first + jj) * tiles + pid_n).to(tl.int64)[:, None]
+                                       * BLOCK_N + c[None, :], mask=ok_vec[:, None], other=0.0, cache_modifier=".cg")
+                else:
+                    acc = tl.where(ok_vec[:, None], tl.broadcast_to(h[None, :], (SLOTS, BLOCK_N)), 0.0)
+                e64 = tl.where(ok_vec, e_vec, 0).to(tl.int64)
+                b_ok = ok_vec[:, None] & (wr[None, :] < tl.where(has_bias != 0, N_OUT, 0))
+                acc += tl.load(bias_ptr + e64[:, None] * stride_be + wr[None, :] * stride_bn, mask=b_ok,
+                               other=0.0).to(tl.float32)
+                g_vec = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (slot0 + jj) * stride_gk,
+                                mask=ok_vec & (jj < tl.where(apply_weight != 0, nslot, 0)), other=1.0).to(tl.float32)
+                out = tl.sum(acc * tl.where(ok_vec, g_vec, 0.0)[:, None], axis=0)
+                if LORA:
+                    delta, active = lora_rows_delta(u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn,
+                                                    stride_lbr, lm_ptr, stride_lm, L, R, p, t, expert, wr, BLOCK_R)
+                    out = tl.where(active, out + tl.sum(g_vec, axis=0) * delta, out)
+                offs_n = n0 + c
+                tl.store(out_ptr + t.to(tl.int64) * stride_ot + slot0 * stride_oj + offs_n * stride_on,
+                         out.to(out_ptr.dtype.element_ty), mask=offs_n < N_OUT)

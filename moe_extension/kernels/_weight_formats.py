@@ -685,6 +685,11 @@ class WeightOperand:
         self.strides = (*w.stride(), *s)
 
     @property
+    def quant(self) -> str:
+        """The format's ``quant`` name (``WEIGHT_FORMATS``)."""
+        return next(q for q, f in WEIGHT_FORMATS.items() if f == self.fmt)
+
+    @property
     def dense(self) -> bool:
         return self.fmt == WFMT_DENSE
 

@@ -59,7 +59,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
-from moe_extension.kernels._configs import GemmConfig, MoeConfig, get_config, is_row_major, shard_direct
+from moe_extension.kernels._configs import (SM_SHARED_MEMORY, GemmConfig, MoeConfig, get_config, gemv_smem,
+                                            is_row_major, shard_direct)
 from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
                                            sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
@@ -410,6 +411,42 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
     return torch.zeros((max(1, n),), dtype=torch.int32, device=device)
 
 
+# NOTE: the expected local pairs up to which an fp8 block shard's direct GEMVs take work lists (``_gemv_work_list``).
+GEMV_WORK_LIST_PAIRS = 2
+
+
+def _gemv_work_list(w: WeightOperand, pairs: int | None) -> bool:
+    """Whether the tensor-core GEMVs (``_gemv_dot``) of weights ``w`` take work lists (``_gemv_grid``): fp8 block
+    weights on an expert-parallel shard expecting up to GEMV_WORK_LIST_PAIRS local pairs (``pairs``:
+    ``local_pairs``, None off a shard), whose items mostly have no work.
+    NOTE: a program of the one-per-item grid whose pair has no work still costs its launch and the loads of its
+    pair's id and expert: the waves of them took DeepSeek-V3's fp8 block shard of 32 of 256 experts 9.8 us at M = 1
+    with no local pair (H200). Work lists against that grid, H200, CUDA-graph medians of 6 interleaved rounds, silu,
+    that shard (benchmarks/results/ab_gemv_work_list_h200.txt: ``python benchmarks/ab_fused_experts.py --quant
+    fp8_block --activation silu --model deepseek-v3 --local-experts 32 --tokens M --gemv-grids full``): M = 1 (1
+    local pair expected) 16.1 against 18.8 us, M = 2 25.1 against 27.5, M = 4 49.5 against 50.0, M = 8 95.2 against
+    94.6. Elsewhere the loop over the items costs more than the exits (same file, ``--gemv-grids work-list``): it
+    holds more registers (MXFP4's gemv2 231 against 126: two programs per SM instead of four; gpt-oss-120b, 32 of 128
+    experts, M = 1 24.0 against 16.6 us), the whole fp8 layer's pairs all have work (M = 1 96.4 against 94.9), and
+    16-bit weights were not consistently faster (DeepSeek-V3's shard M = 1 28.7 against 29.8, M = 2 52.8 against
+    52.1)."""
+    return w.fmt == WFMT_FP8_BLOCK and pairs is not None and pairs <= GEMV_WORK_LIST_PAIRS
+
+
+def _gemv_grid(tiles: int, pairs: int, splits: int, cfg: GemmConfig, rows: int, w: WeightOperand,
+               device: torch.device, work_list: bool) -> tuple[tuple[int, ...], bool]:
+    """(grid, WORK_LIST) of a tensor-core GEMV launch (``_gemv_dot``) of ``tiles`` output tiles, ``pairs`` (token,
+    slot) pairs and ``splits`` splits of the reduction: a program per (tile, pair, split) item, whose programs of
+    pairs without work exit; or, with ``work_list`` where those items do not all fit on the GPU at once, as many
+    programs as fit (per SM as many as the pipelined tiles' shared memory allows, at most 4), which take the items
+    of the pairs with work in turn."""
+    per_sm = max(1, min(4, SM_SHARED_MEMORY // gemv_smem(cfg.num_stages, rows, w.quant)))
+    fit = per_sm * sm_count(device)
+    if not work_list or tiles * pairs * splits <= fit:
+        return (tiles, pairs, splits), False
+    return (fit,), True
+
+
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
            lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None,
            x_scale: torch.Tensor | None = None, pdl: bool = False):
@@ -441,7 +478,9 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
                            device=x.device)
         cnt = counters if counters is not None else _zeroed_counters(_gemv1_dot_counters(M * topk, n_out, K, cfg),
                                                                      x.device)
-        gemv1_dot_kernel[(tiles, M * topk, splits)](
+        grid, work_list = _gemv_grid(tiles, M * topk, splits, cfg, w_rows, w1, x.device,
+                                     _gemv_work_list(w1, local_pairs(M, topk, E, expert_map)))
+        gemv1_dot_kernel[grid](
             x, x_scale if x_scale is not None else x, w1.w, w1.scale, bias if bias is not None else out, out,
             out_scale if out_scale is not None else out, part, cnt, weights if weights is not None else out,
             topk_ids, expert_map if has_map else topk_ids, expert_map.numel() if has_map else E, E,
@@ -453,7 +492,7 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
             G_ON_A=weights is not None and not w1.dense, A_Q=x_scale is not None, Q_OUT=out_scale is not None,
-            **lora_flags,
+            WORK_LIST=work_list, **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
@@ -498,7 +537,9 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
                            device=a.device)
         cnt = counters if counters is not None else _zeroed_counters(
             _gemv2_dot_counters(M, topk, K, N, cfg, sum_slots), a.device)
-        gemv2_dot_kernel[(tiles, M * topk, splits)](
+        grid, work_list = _gemv_grid(tiles, M * topk, splits, cfg, cfg.block_n, w2, a.device,
+                                     _gemv_work_list(w2, local_pairs(M, topk, E, expert_map)))
+        gemv2_dot_kernel[grid](
             a, a_scale if a_scale is not None else a, w2.w, w2.scale, bias if bias is not None else out, out, part, cnt,
             weights if weights is not None else out, topk_ids, expert_map if has_map else topk_ids,
             expert_map.numel() if has_map else E, E, M * topk, topk, nslot, K, N, per_split, int(has_map),
@@ -507,7 +548,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
             topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), _stride(a_scale, 0), *lora_args,
             SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
-            A_Q=a_scale is not None, **lora_flags,
+            A_Q=a_scale is not None, WORK_LIST=work_list, **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
