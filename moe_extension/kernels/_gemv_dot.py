@@ -154,6 +154,35 @@ def _nth_active(q, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_
     return p
 
 
+@triton.jit
+def _items(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map, per_pair,
+           ZERO_ROWS: tl.constexpr, WORK_LIST: tl.constexpr):
+    """The program's item loop (start, end, step) and, with WORK_LIST, the first scan chunk of the pairs with work
+    (``_active_pairs``); without, its one item (from the program ids, ``_item``)."""
+    if WORK_LIST:
+        pp0, act0, cum0, n_active = _active_pairs(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
+                                                  has_map, ZERO_ROWS)
+        return tl.program_id(0), n_active * per_pair, tl.num_programs(0), pp0, act0, cum0
+    else:
+        pp0 = tl.arange(0, CHUNK)
+        return 0, 1, 1, pp0, pp0 < 0, pp0
+
+
+@triton.jit
+def _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
+          SPLIT: tl.constexpr, ZERO_ROWS: tl.constexpr, WORK_LIST: tl.constexpr):
+    """(output tile, pair, split) of the program's item: of the pairs with work the ``item // per_pair``-th, with
+    WORK_LIST; else the program's ids."""
+    if WORK_LIST:
+        q = item // per_pair
+        pid_n = (item - q * per_pair) // SPLIT
+        p = _nth_active(q, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
+                        ZERO_ROWS)
+        return pid_n, p, item - q * per_pair - pid_n * SPLIT
+    else:
+        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
                                *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
 def gemv1_dot_kernel(
@@ -176,22 +205,12 @@ def gemv1_dot_kernel(
     tiles = tl.cdiv(N_OUT, BLOCK_N)
     per_pair = tiles * SPLIT
     W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
-    if WORK_LIST:
-        pp0, act0, cum0, n_active = _active_pairs(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
-                                                  has_map, False)
-        start, end, step = tl.program_id(0), n_active * per_pair, tl.num_programs(0)
-    else:
-        start, end, step = 0, 1, 1
+    start, end, step, pp0, act0, cum0 = _items(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
+                                               per_pair, False, WORK_LIST)
     grid_dependency(PDL)
     for item in range(start, end, step):
-        if WORK_LIST:
-            q = item // per_pair
-            pid_n = (item - q * per_pair) // SPLIT
-            s = item - q * per_pair - pid_n * SPLIT
-            p = _nth_active(q, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
-                            has_map, False)
-        else:
-            pid_n, p, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_n, p, s = _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
+                            E, has_map, SPLIT, False, WORK_LIST)
         expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
         if valid:
             t = p // topk
@@ -255,22 +274,12 @@ def gemv2_dot_kernel(
     per_pair = tiles * SPLIT
     c = tl.arange(0, BLOCK_N)
     jj = tl.arange(0, SLOTS)
-    if WORK_LIST:
-        pp0, act0, cum0, n_active = _active_pairs(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
-                                                  has_map, SUM_SLOTS)
-        start, end, step = tl.program_id(0), n_active * per_pair, tl.num_programs(0)
-    else:
-        start, end, step = 0, 1, 1
+    start, end, step, pp0, act0, cum0 = _items(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
+                                               per_pair, SUM_SLOTS, WORK_LIST)
     grid_dependency(PDL)
     for item in range(start, end, step):
-        if WORK_LIST:
-            q = item // per_pair
-            pid_n = (item - q * per_pair) // SPLIT
-            s = item - q * per_pair - pid_n * SPLIT
-            p = _nth_active(q, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
-                            has_map, SUM_SLOTS)
-        else:
-            pid_n, p, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_n, p, s = _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
+                            E, has_map, SPLIT, SUM_SLOTS, WORK_LIST)
         t = p // topk
         j = p - t * topk
         expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
