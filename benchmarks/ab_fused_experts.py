@@ -26,6 +26,9 @@ tuned config on any GPU.
 ``--routing-from FILE`` adds the table config with the device routing of another version of
 ``moe_extension/kernels/_routing.py`` (``git show REV:moe_extension/kernels/_routing.py > FILE``): its ``route``
 swapped in for the call, as the PDL options above swap launchers.
+``--gemv-from FILE`` adds it with the direct schedule's tensor-core GEMV kernels of another version of
+``moe_extension/kernels/_gemv_dot.py`` (``git show REV:moe_extension/kernels/_gemv_dot.py > FILE``), launched by this
+version's launchers (launch options that the other kernels do not take left out).
 ``--local-pairs K`` (with ``--local-experts``) reroutes every input set so that exactly K of its slots are local.
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
 bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time this tuned table's entry for the cell (a moe_extension/configs/*.json file)")
     p.add_argument("--routing-from", default=None, metavar="FILE",
                    help="also time the table config with the route() of this copy of kernels/_routing.py")
+    p.add_argument("--gemv-from", default=None, metavar="FILE",
+                   help="also time the table config with the direct GEMV kernels of this copy of kernels/_gemv_dot.py")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
                    help="what to time (default: the whole op)")
     p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
@@ -88,10 +93,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local-pairs", type=int, default=None, metavar="K",
                    help="with --local-experts: every input set routes exactly K of its M * topk slots here")
     args = p.parse_args(argv)
-    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from):
-        p.error("--no-pdl, --persistent-pdl, --direct-pdl and --routing-from time fused_experts only")
-    if args.routing_from is not None and not Path(args.routing_from).is_file():
-        p.error(f"--routing-from: no file {args.routing_from}")
+    if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from
+                                      or args.gemv_from):
+        p.error("--no-pdl, --persistent-pdl, --direct-pdl, --routing-from and --gemv-from time fused_experts only")
+    for opt, path in (("--routing-from", args.routing_from), ("--gemv-from", args.gemv_from)):
+        if path is not None and not Path(path).is_file():
+            p.error(f"{opt}: no file {path}")
     if args.table_from is not None and not Path(args.table_from).is_file():
         p.error(f"--table-from: no file {args.table_from}")
     if args.local_experts is not None and args.local_experts < 1:
@@ -99,6 +106,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.local_pairs is not None and (args.local_experts is None or args.local_pairs < 0):
         p.error("--local-pairs takes a count >= 0, with --local-experts")
     return args
+
+
+class KernelFrom:
+    """A Triton kernel of another version of a module launched by this version's launcher: ``kernel[grid](...)``
+    without the launch's upper-case (constexpr) keyword arguments that the kernel does not take; launch options
+    (lower case: num_warps, launch_pdl, ...) and the kernel's own parameters pass."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def takes(self, name: str) -> bool:
+        return name in self.kernel.arg_names
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return self.kernel[grid](*args, **{k: v for k, v in kwargs.items() if self.takes(k) or k[0].islower()})
+        return launch
 
 
 def with_local_pairs(ids, L: int, E: int, k: int, gen):
@@ -297,6 +321,25 @@ def main(argv=None) -> int:
                 fe.route = own_route
 
         runs["table, routing from " + Path(args.routing_from).name] = other_routing
+    if args.gemv_from:
+        from harness import load_module
+
+        other = load_module(args.gemv_from)
+        own = fe.gemv1_dot_kernel, fe.gemv2_dot_kernel, fe._gemv_work_list
+        shims = tuple(KernelFrom(k) for k in (other.gemv1_dot_kernel, other.gemv2_dot_kernel))
+
+        def other_gemvs(i):
+            # the other version's GEMV kernels for this call only (captured with the call, as above); without a
+            # WORK_LIST parameter, one program per item
+            fe.gemv1_dot_kernel, fe.gemv2_dot_kernel = shims
+            if not shims[0].takes("WORK_LIST"):
+                fe._gemv_work_list = lambda w, pairs: False
+            try:
+                return call(table, i)
+            finally:
+                fe.gemv1_dot_kernel, fe.gemv2_dot_kernel, fe._gemv_work_list = own
+
+        runs["table, GEMVs from " + Path(args.gemv_from).name] = other_gemvs
     if (tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts" and args.quant == "none"
             and args.local_experts is None):
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],

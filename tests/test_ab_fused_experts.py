@@ -110,6 +110,29 @@ def test_routing_from_option(tmp_path):
     assert other.route is not _routing.route and other.route.__module__ == "other_routing"
 
 
+def test_gemv_from_option(tmp_path):
+    """--gemv-from FILE: another version's GEMV kernels through this version's launchers, which leave out the
+    constexpr keywords the other kernels do not take (launch options stay)."""
+    gemv_py = Path(__file__).resolve().parent.parent / "moe_extension" / "kernels" / "_gemv_dot.py"
+    args = ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", "--gemv-from", str(gemv_py)])
+    assert args.gemv_from == str(gemv_py)
+    for bad in (["--gemv-from", str(tmp_path / "missing.py")], ["--gemv-from", str(gemv_py), "--op", "expert_gemm2"]):
+        with pytest.raises(SystemExit):
+            ab_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", *bad])
+    other = harness.load_module(str(gemv_py))
+    assert ab_fused_experts.KernelFrom(other.gemv2_dot_kernel).takes("WORK_LIST")
+
+    class Kernel:
+        arg_names = ["x_ptr", "N", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: (grid, a, kw)
+
+    shim = ab_fused_experts.KernelFrom(Kernel())
+    assert not shim.takes("WORK_LIST")
+    assert shim[(3,)](1, 2, BLOCK=4, WORK_LIST=True, num_warps=8) == ((3,), (1, 2), {"BLOCK": 4, "num_warps": 8})
+
+
 def test_kernel_times_rotate_the_input_sets(monkeypatch):
     """--profile's per-kernel means come from one eager call per input set in turn (a shard's sets differ in their
     local pairs), after a warm-up call: faked profiler events, a kernel that only set 1 launches."""

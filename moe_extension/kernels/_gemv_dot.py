@@ -44,7 +44,9 @@ benchmarks/results/ab_decode_pipes_h200.txt, section 3d).
 
 PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
 before it waits for the previous kernel (``_launch.grid_dependency``); the activations, the counters and every store
-come after.
+come after. A program of one item waits only if its pair has work, after reading its pair's inputs (waiting first,
+then reading them, took Qwen3-30B-A3B's fp8 block layer 20.6 against 19.0 us at M = 1 on the H200); one with a work
+list waits once, before its items.
 """
 
 from __future__ import annotations
@@ -207,7 +209,8 @@ def gemv1_dot_kernel(
     W_ROWS: tl.constexpr = BLOCK_N if ACT == 0 else 2 * BLOCK_N
     start, end, step, pp0, act0, cum0 = _items(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
                                                per_pair, False, WORK_LIST)
-    grid_dependency(PDL)
+    if WORK_LIST:
+        grid_dependency(PDL)
     for item in range(start, end, step):
         pid_n, p, s = _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
                             E, has_map, SPLIT, False, WORK_LIST)
@@ -219,6 +222,8 @@ def gemv1_dot_kernel(
             zero = tl.zeros([1], dtype=tl.int32)
             g = tl.load(gw_ptr + t.to(tl.int64) * stride_gm + (p - t * topk) * stride_gk + zero,
                         mask=zero + router_on_input != 0, other=1.0).to(tl.float32)
+            if not WORK_LIST:
+                grid_dependency(PDL)
             k0 = s * k_per_split
             h = _rows_times_row(x_ptr + t.to(tl.int64) * stride_xm, xs_ptr + t.to(tl.int64) * stride_xsm, w_ptr,
                                 ws_ptr, expert.to(tl.int64), wr, g, k0, tl.minimum(K, k0 + k_per_split), stride_xk,
@@ -276,7 +281,8 @@ def gemv2_dot_kernel(
     jj = tl.arange(0, SLOTS)
     start, end, step, pp0, act0, cum0 = _items(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
                                                per_pair, SUM_SLOTS, WORK_LIST)
-    grid_dependency(PDL)
+    if WORK_LIST:
+        grid_dependency(PDL)
     for item in range(start, end, step):
         pid_n, p, s = _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
                             E, has_map, SPLIT, SUM_SLOTS, WORK_LIST)
@@ -302,6 +308,8 @@ def gemv2_dot_kernel(
             n0 = pid_n * BLOCK_N
             wr = wrap(n0 + c, N_OUT, BLOCK_N)
             h = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if not WORK_LIST:
+                grid_dependency(PDL)
             if valid:
                 k0 = s * k_per_split
                 h = _rows_times_row(a_ptr + t.to(tl.int64) * stride_at + j * stride_aj,
