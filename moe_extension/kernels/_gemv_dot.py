@@ -45,8 +45,8 @@ benchmarks/results/ab_decode_pipes_h200.txt, section 3d).
 PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
 before it waits for the previous kernel (``_launch.grid_dependency``); the activations, the counters and every store
 come after. A program of one item waits only if its pair has work, after reading its pair's inputs (waiting first,
-then reading them, took Qwen3-30B-A3B's fp8 block layer 20.6 against 19.0 us at M = 1 on the H200); one with a work
-list waits once, before its items.
+then reading them, took Qwen3-30B-A3B's fp8 block layer 20.6 against 19.0 us at M = 1 on the H200:
+benchmarks/results/ab_gemv_work_list_h200.txt, run 3); one with a work list waits once, before its items.
 """
 
 from __future__ import annotations

@@ -412,7 +412,7 @@ def _zeroed_counters(n: int, device) -> torch.Tensor:
 
 
 # The expected local pairs up to which an fp8 block shard's direct GEMVs take work lists (``_gemv_work_list``).
-GEMV_WORK_LIST_PAIRS = 4
+GEMV_WORK_LIST_PAIRS = 2
 
 
 def _gemv_work_list(w: WeightOperand, pairs: int | None) -> bool:
@@ -420,15 +420,15 @@ def _gemv_work_list(w: WeightOperand, pairs: int | None) -> bool:
     weights on an expert-parallel shard expecting up to GEMV_WORK_LIST_PAIRS local pairs (``pairs``:
     ``local_pairs``, None off a shard), whose items mostly have no work.
     NOTE: a program of the one-per-item grid whose pair has no work still costs its launch and the loads of its
-    pair's id and expert. Work lists against that grid, H200, CUDA-graph medians of 6 interleaved rounds, silu,
-    DeepSeek-V3's fp8 block shard of 32 of 256 experts (benchmarks/results/ab_gemv_work_list_h200.txt: ``python
-    benchmarks/ab_fused_experts.py --quant fp8_block --activation silu --model deepseek-v3 --local-experts 32
-    --tokens M --gemv-grids full`` or ``work-list``): M = 1 (1 local pair expected) 16.1 against 18.7 us (with no
-    local pair, ``--local-pairs 0``: 7.7 against 10.3), M = 2 25.5 against 27.8, M = 4 49.9 against 50.4, M = 8
-    96.4 against 95.6. Elsewhere the loop over the items costs more than the exits save (same file): it holds more
-    registers (MXFP4's gemv2 231 against 126: two programs per SM instead of four; gpt-oss-120b, 32 of 128 experts,
-    M = 1 23.8 against 16.4 us), the whole fp8 layer's pairs all have work (M = 1 98.8 against 97.5), and 16-bit
-    weights gained at most what they lost (DeepSeek-V3's shard M = 1 28.6 against 29.8, M = 2 52.9 against
+    pair's id and expert. DeepSeek-V3's fp8 block shard of 32 of 256 experts, silu, H200, CUDA-graph medians of
+    interleaved rounds (benchmarks/results/ab_gemv_work_list_h200.txt): M = 1 16.1 us against 16.8 with the
+    one-per-item kernels before the work lists (``python benchmarks/ab_fused_experts.py --quant fp8_block --activation
+    silu --model deepseek-v3 --local-experts 32 --tokens 1 --gemv-from FILE``, FILE = ``git show
+    fca1e63:moe_extension/kernels/_gemv_dot.py``); M = 2 25.3 against 25.8 for the one-per-item grid, M = 4 49.7
+    against 47.4 (``--tokens M --gemv-grids full``). Elsewhere the loop over the items costs more than the exits
+    save (same file): it holds more registers (MXFP4's gemv2 231 against 126: two programs per SM instead of four;
+    gpt-oss-120b, 32 of 128 experts, M = 1 23.8 against 16.4 us), the whole fp8 layer's pairs all have work, and
+    16-bit weights gained at most what they lost (DeepSeek-V3's shard M = 1 28.6 against 29.8, M = 2 52.9 against
     52.3)."""
     return w.fmt == WFMT_FP8_BLOCK and pairs is not None and pairs <= GEMV_WORK_LIST_PAIRS
 
