@@ -131,14 +131,15 @@ def with_local_pairs(ids, L: int, E: int, k: int, gen):
     import torch
 
     M, topk = ids.shape
-    if not 0 <= k <= min(M * topk, M * L) or topk > E - L + min(topk, L):
+    if not 0 <= k <= min(M * topk, M * L) or topk > E:
         raise ValueError(f"cannot route {k} of {M} x {topk} slots to {L} of {E} experts")
     out = torch.empty_like(ids)
     here = torch.zeros(M * topk, dtype=torch.bool)
-    while True:  # k slots at random, at most L of them in one token
+    while True:  # k slots at random, at most L of them and at least topk - (E - L) in each token
         here[:] = False
         here[torch.randperm(M * topk, generator=gen)[:k]] = True
-        if (here.view(M, topk).sum(dim=1) <= L).all():
+        n = here.view(M, topk).sum(dim=1)
+        if ((n <= L) & (topk - n <= E - L)).all():
             break
     here = here.view(M, topk)
     for t in range(M):
@@ -299,7 +300,7 @@ def main(argv=None) -> int:
 
         def forced_grids(i):
             # the GEMVs' grids as asked, for this call only (captured with the call, as above)
-            fe._gemv_work_list = lambda w, shard: args.gemv_grids == "work-list"
+            fe._gemv_work_list = lambda w, pairs: args.gemv_grids == "work-list"
             try:
                 return call(table, i)
             finally:

@@ -343,7 +343,7 @@ def test_gemv_work_lists_only_for_fp8_block_shards():
     programs each here)."""
     fp8 = WeightOperand(torch.empty(1, 128, 256), torch.empty(1, 1, 2), "fp8_block")
     mma = WeightOperand(torch.empty(1, 128, 128, dtype=torch.uint8), torch.empty(1, 128, 8, dtype=torch.uint8),
-                           "mxfp4_mma")
+                        "mxfp4_mma")
     dense = WeightOperand.of(torch.empty(1, 128, 256, dtype=torch.bfloat16))
     few = fe.GEMV_WORK_LIST_PAIRS
     assert fe._gemv_work_list(fp8, 1) and fe._gemv_work_list(fp8, few) and not fe._gemv_work_list(fp8, few + 1)

@@ -12,9 +12,10 @@ stream, and nothing reads device memory on the host: capture-safe, and no host s
 - direct (decode: M = 1, or P * 8 <= E): 2 launches. ``gemv1`` (+ activation), grid
   (cdiv(N, BN), P) -> ``a [P, N]``; ``gemv2`` over each token's slots (the topk sum fused, fixed order),
   grid (cdiv(K, BN), M) -> ``out [M, K]``. MXFP4 in the MMA layout and fp8 block multiply in tensor-core
-  steps (``_gemv_dot``): grids (tiles, P, splits of the reduction), 3 launches (one zeroes the counters that
-  let the last program of an output tile sum the partials and the slots in a fixed order; fp8 block: one more
-  quantizes x).
+  steps (``_gemv_dot``): grids (tiles, P, splits of the reduction), or on an fp8 block shard expecting few local
+  pairs as many programs as fit on the GPU, taking the local pairs' items in turn (``_gemv_work_list``); 3 launches
+  (one zeroes the counters that let the last program of an output tile sum the partials and the slots in a fixed
+  order; fp8 block: the one that quantizes x).
 - sorted: 4 launches (6 when P > 128: the routing takes three; one more when gemm1 copies its token rows
   into sorted order for TMA loads, ``tma_a``). ``route`` -> ``gemm1`` (+ activation),
   grid (max_blocks * cdiv(N, BN),) -> ``a`` [sorted rows, N] -> ``gemm2``, grid (max_blocks * cdiv(K, BN),
