@@ -579,7 +579,7 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     fp8 = quant == "fp8_block"
 
     def split(g: GemmConfig, rows: int, tiles: int, reduction: int) -> GemmConfig:
-        per_sm = max(1, min(4, SM_SHARED_MEMORY // gemv_smem(g.num_stages, rows, quant)))
+        per_sm = gemv_programs_per_sm(g.num_stages, rows, quant)
         s = 1
         while tiles * 2 * s <= per_sm * num_sms and reduction >= 2 * s * 128:
             s *= 2
@@ -605,6 +605,12 @@ def gemv_smem(stages: int, rows: int, quant: str) -> int:
     if quant == "none":
         return stages * (16 + rows) * 128 * 2
     return stages * (16 * 128 * 2 + rows * 128 * 17 // 32)
+
+
+def gemv_programs_per_sm(stages: int, rows: int, quant: str) -> int:
+    """Programs of a direct tensor-core GEMV (``_gemv_dot``) that one SM holds at once: as many as their pipelined
+    tiles' shared memory allows (``gemv_smem``), at most 4."""
+    return max(1, min(4, SM_SHARED_MEMORY // gemv_smem(stages, rows, quant)))
 
 
 def _heuristic_direct(M, P, topk, N, K, esize, w1_row, w2_row, num_sms, tile=None) -> MoeConfig:

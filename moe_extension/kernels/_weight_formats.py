@@ -672,10 +672,11 @@ def fma_step(acc, x, ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, BLOCK_K: tl.con
 
 class WeightOperand:
     """One expert weight stack as the kernels take it: the data tensor, its scales (or the data again, unused,
-    for dense weights), the format code and the logical ``[E, rows, cols]`` shape (MXFP4 stores cols / 2
-    bytes per row); ``strides`` = (data e, rows, cols; scales e, rows, cols), zeros for absent scales."""
+    for dense weights), the format's ``quant`` name and code and the logical ``[E, rows, cols]`` shape (MXFP4 stores
+    cols / 2 bytes per row); ``strides`` = (data e, rows, cols; scales e, rows, cols), zeros for absent scales."""
 
     def __init__(self, w, scale, quant: str):
+        self.quant = quant
         self.fmt = WEIGHT_FORMATS[quant]
         self.w = w
         self.scale = w if scale is None else scale
@@ -683,11 +684,6 @@ class WeightOperand:
         self.shape = (E, rows, 2 * cols if self.fmt in (WFMT_MXFP4, WFMT_MXFP4_MMA) else cols)
         s = (0, 0, 0) if scale is None else tuple(scale.stride())
         self.strides = (*w.stride(), *s)
-
-    @property
-    def quant(self) -> str:
-        """The format's ``quant`` name (``WEIGHT_FORMATS``)."""
-        return next(q for q, f in WEIGHT_FORMATS.items() if f == self.fmt)
 
     @property
     def dense(self) -> bool:

@@ -60,8 +60,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_extension.kernels import _grouped_gemm as kern
 from moe_extension.kernels._gemm2_persistent import RAGGED_ROWS, gemm2_persistent_kernel, ragged_rows_desc
-from moe_extension.kernels._configs import (SM_SHARED_MEMORY, GemmConfig, MoeConfig, get_config, gemv_smem,
-                                            is_row_major, shard_direct)
+from moe_extension.kernels._configs import (GemmConfig, MoeConfig, get_config, gemv_programs_per_sm, is_row_major,
+                                            shard_direct)
 from moe_extension.kernels._launch import (cdiv, device_guard, join, next_power_of_2, pdl_capable, pdl_options,
                                            sm_count, tma_capable, tma_layout_ok)
 from moe_extension.kernels._quantize_fp8 import quantize_fp8_rows
@@ -439,10 +439,8 @@ def _gemv_grid(tiles: int, pairs: int, splits: int, cfg: GemmConfig, rows: int, 
     """(grid, WORK_LIST) of a tensor-core GEMV launch (``_gemv_dot``) of ``tiles`` output tiles, ``pairs`` (token,
     slot) pairs and ``splits`` splits of the reduction: a program per (tile, pair, split) item, whose programs of
     pairs without work exit; or, with ``work_list`` where those items do not all fit on the GPU at once, as many
-    programs as fit (per SM as many as the pipelined tiles' shared memory allows, at most 4), which take the items
-    of the pairs with work in turn."""
-    per_sm = max(1, min(4, SM_SHARED_MEMORY // gemv_smem(cfg.num_stages, rows, w.quant)))
-    fit = per_sm * sm_count(device)
+    programs as fit (``gemv_programs_per_sm`` per SM), which take the items of the pairs with work in turn."""
+    fit = gemv_programs_per_sm(cfg.num_stages, rows, w.quant) * sm_count(device)
     if not work_list or tiles * pairs * splits <= fit:
         return (tiles, pairs, splits), False
     return (fit,), True
