@@ -19,6 +19,9 @@ format (the launchers ``_gemv1`` / ``_gemv2`` wrapped by this script; the produc
 ``--gemv-grids full`` (``work-list``) adds it with the direct schedule's tensor-core GEMVs launched with a program
 per item (with work lists wherever the items do not fit on the GPU at once) whatever the format and shard
 (``fused_experts._gemv_work_list`` replaced by this script).
+``--zero-rows-in-gemv2`` adds it with the zero rows of the tokens without a local slot stored by gemv2's programs of
+their slot 0 even where gemv1 takes a work list (whose programs store them otherwise; ``_gemv1`` wrapped by this
+script to drop its ``zero_rows``).
 ``--other-schedule`` adds the heuristic's config of the schedule the table config does not run (direct or sorted).
 ``--table-from FILE`` adds the entry of another tuned table (``moe_extension/configs/<device>.json``, e.g. an H100's
 on an H200, which runs the heuristic) for this cell, at the M bucket nearest ``--tokens``: the heuristic against a
@@ -78,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gemv-grids", choices=("full", "work-list"), default=None,
                    help="also time the table config with the direct tensor-core GEMVs' grids forced: one program per "
                         "(tile, pair, split) item, or work lists where the items do not fit the GPU at once")
+    p.add_argument("--zero-rows-in-gemv2", action="store_true",
+                   help="also time the table config with the zero rows of tokens without a local slot from gemv2 "
+                        "even where gemv1 takes a work list")
     p.add_argument("--table-from", default=None, metavar="FILE",
                    help="also time this tuned table's entry for the cell (a moe_extension/configs/*.json file)")
     p.add_argument("--routing-from", default=None, metavar="FILE",
@@ -94,8 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --local-experts: every input set routes exactly K of its M * topk slots here")
     args = p.parse_args(argv)
     if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from
-                                      or args.gemv_from):
-        p.error("--no-pdl, --persistent-pdl, --direct-pdl, --routing-from and --gemv-from time fused_experts only")
+                                      or args.gemv_from or args.zero_rows_in_gemv2):
+        p.error("--no-pdl, --persistent-pdl, --direct-pdl, --routing-from, --gemv-from and --zero-rows-in-gemv2 time "
+                "fused_experts only")
     for opt, path in (("--routing-from", args.routing_from), ("--gemv-from", args.gemv_from)):
         if path is not None and not Path(path).is_file():
             p.error(f"{opt}: no file {path}")
@@ -307,6 +314,18 @@ def main(argv=None) -> int:
                 fe._gemv_work_list = work_list_rule
 
         runs[f"table, GEMV grids {args.gemv_grids}"] = forced_grids
+    if args.zero_rows_in_gemv2:
+        launch_gemv1 = fe._gemv1
+
+        def zero_rows_in_gemv2(i):
+            # gemv1 without the zero rows, for this call only (captured with the call, as above): gemv2 stores them
+            fe._gemv1 = lambda *a, zero_rows=None, **k: launch_gemv1(*a, **k)
+            try:
+                return call(table, i)
+            finally:
+                fe._gemv1 = launch_gemv1
+
+        runs["table, zero rows in gemv2"] = zero_rows_in_gemv2
     if args.routing_from:
         from harness import load_module
 

@@ -25,6 +25,7 @@ import random
 import pytest
 import torch
 
+import moe_extension.kernels.fused_experts as fe
 from moe_extension.kernels import expert_gemm1_triton, expert_gemm2_triton, fused_experts_triton
 from moe_extension.kernels._configs import GemmConfig, MoeConfig, sanitize
 from moe_extension.ops import fused_experts_torch, topk_softmax
@@ -33,7 +34,8 @@ from moe_extension.quant import ue8m0_scales
 from tests.reference import random_expert_map
 from tests.test_fused_experts_cuda import _routing
 from tests.test_fused_experts_mxfp4_cuda import ACT_OPS, _local
-from tests.utils import assert_graph_replays_match_eager, entry_point_call, entry_point_inputs, rel_err
+from tests.utils import (assert_graph_replays_match_eager, entry_point_call, entry_point_inputs, record_results,
+                         rel_err)
 
 cuda = pytest.mark.cuda
 
@@ -302,6 +304,38 @@ def test_cuda_graph_replays_match_eager(op, M):
         return entry_point_inputs(op, M, E, topk, K, N, _routing, gen)
 
     assert_graph_replays_match_eager(call, fresh(), fresh, finite=True)
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 4])
+def test_shard_work_lists_in_a_cuda_graph(monkeypatch, M):
+    """An fp8 block expert-parallel shard at decode (16 of 256 experts, topk 8: at most 2 local pairs expected), whose
+    direct GEMVs take work lists (gemv1's programs also store the zero rows of the tokens without a local slot):
+    captured once, replayed 12 times with new hidden states and routings (invalid ids too; most tokens have no local
+    slot), bitwise equal to eager; one eager call against the PyTorch implementation."""
+    grids, zeroed = record_results(monkeypatch, fe, "_gemv_grid"), record_results(monkeypatch, fe, "_gemv1")
+    gen = torch.Generator(device="cuda").manual_seed(40 + M)
+    E, E_global, topk, K, N = 16, 256, 8, 2048, 1408
+    w1, s1, w2, s2, b1, b2 = _experts(E, K, N, gen, bias=True)
+    emap = random_expert_map(E_global, E, device="cuda")
+
+    def call(inputs):
+        x, g, ids = inputs
+        return _fused(x, w1, s1, w2, s2, g, ids, "silu", w1_bias=b1, w2_bias=b2, expert_map=emap)
+
+    def inputs():
+        return [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen),
+                *_routing(M, E_global, topk, True, gen)]
+
+    x, g, ids = inputs()
+    out = call([x, g, ids])
+    ref = fused_experts_torch(x.float(), w1, w2, g, ids, "silu", w1_bias=b1, w2_bias=b2, expert_map=emap,
+                              quant="fp8_block", w1_scale=s1, w2_scale=s2)
+    assert rel_err(out, ref) <= TOL
+    assert (out[(_local(ids, emap, E) < 0).all(dim=1)] == 0).all()
+    assert_graph_replays_match_eager(call, inputs(), inputs, finite=True)
+    assert [work_list for _, work_list in grids[:2]] == [True, True], "both GEMVs took work lists"
+    assert zeroed and all(zeroed), "gemv1 stored the zero rows"
 
 
 # ------------------------------------------------------------------------------------------------- determinism, compile

@@ -358,11 +358,20 @@ def test_gemv_work_lists_only_for_fp8_block_shards():
 
 
 @interpreted
-def test_direct_gemvs_take_the_pairs_with_work_past_a_scan_chunk(poisoned):  # noqa: F811  (the fixture)
+@pytest.mark.parametrize("zeros_in", ["gemv1", "gemv2"])
+def test_direct_gemvs_take_the_pairs_with_work_past_a_scan_chunk(poisoned, monkeypatch, zeros_in):  # noqa: F811
     """The direct GEMVs' work lists on an fp8 block shard: 12 and 16 programs (4 SMs in the interpreter), fewer than
     the items, take the (tile, pair, split) items of the pairs with work in turn, found by scanning the pairs 64 at a
     time: 84 pairs, the valid ones and the tokens without any valid slot on both sides of pair 64 (the fused op:
-    their zeros; the unfused GEMMs: every valid pair's row), against the PyTorch implementation."""
+    their zeros, stored by gemv1's 12 programs, 21 tokens, or with ``_gemv1`` told nothing of them by gemv2's items
+    of their slot 0; the unfused GEMMs: every valid pair's row), against the PyTorch implementation."""
+    launch_gemv1, zeroed = fe._gemv1, []
+
+    def gemv1(*args, zero_rows=None, **kwargs):
+        zeroed.append(launch_gemv1(*args, zero_rows=zero_rows if zeros_in == "gemv1" else None, **kwargs))
+        return zeroed[-1]
+
+    monkeypatch.setattr(fe, "_gemv1", gemv1)
     E, K, N, topk, M = 2, 256, 128, 4, 21
     emap = torch.full((100,), -1, dtype=torch.int32)
     emap[10], emap[20] = 0, 1  # 2 of 100 experts here: 2 local pairs of the 84 expected
@@ -382,13 +391,46 @@ def test_direct_gemvs_take_the_pairs_with_work_past_a_scan_chunk(poisoned):  # n
     x = torch.randn(M, K, generator=gen)
     kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap, quant="fp8_block", w1_scale=s1, w2_scale=s2)
     out = fused_experts_triton(x, w1, w2, g, ids, "silu", config=DIRECT_SPLIT, **kw)
-    assert out.isfinite().all() and (out[~valid.any(dim=1)] == 0).all()
+    assert zeroed == [zeros_in == "gemv1"]
+    assert out.isfinite().all() and (out[~valid.any(dim=1)] == 0).all() and (~valid.any(dim=1)).sum() > 12
     assert rel_err(out, fused_experts_torch(x, w1, w2, g, ids, "silu", **kw)) <= TOLS[x.dtype]
     a = torch.randn(M, topk, N, generator=gen)
     y = expert_gemm2_triton(a, w2, ids, w2_bias=b2, quant="fp8_block", w2_scale=s2, config=DIRECT_SPLIT,
                             expert_map=emap)
     y_ref = expert_gemm2_torch(a, w2, ids, w2_bias=b2, quant="fp8_block", w2_scale=s2, expert_map=emap)
     assert rel_err(y[valid], y_ref[valid]) <= TOLS[x.dtype] and (y[~valid] == 0).all()
+
+
+@triton.jit
+def _zero_rows_kernel(z_ptr, n_tokens, width, stride_zm, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
+                      E, has_map):
+    from moe_extension.kernels._gemv_dot import _zero_rows
+    _zero_rows(z_ptr, n_tokens, width, stride_zm, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map)
+
+
+@interpreted
+def test_gemv1_zero_rows_read_a_token_s_slots_past_a_scan_chunk():
+    """``_gemv_dot._zero_rows`` (gemv1's work lists store the fused op's zero rows): 3 programs over 7 tokens of 70
+    slots (read 64 at a time), rows of 1100 columns (two stores of 1024) in a wider NaN-filled buffer: exactly the
+    tokens without a valid slot are zeroed, whole rows, a valid slot past the first 64 included; other rows and the
+    columns past the width untouched."""
+    from moe_extension.kernels._gemv_dot import CHUNK
+    M, topk, E, width = 7, 70, 3, 1100
+    assert topk > CHUNK
+    emap = torch.full((100,), -1, dtype=torch.int32)
+    emap[40], emap[50], emap[60] = 0, 1, 2
+    ids = torch.stack([torch.randperm(100, generator=torch.Generator().manual_seed(t))[:topk] for t in range(M)])
+    ids[(ids == 40) | (ids == 50) | (ids == 60)] = 41
+    ids[1, 66], ids[3, 0], ids[4, 69], ids[4, 3] = 50, 40, 60, -1
+    ids[6, 2] = 200  # out of range: invalid
+    ids = ids.to(torch.int32)
+    valid = valid_slots(ids, emap, E)
+    empty = ~valid.any(dim=1)
+    assert empty.tolist() == [True, False, True, False, False, True, True]
+    z = torch.full((M, width + 20), float("nan"))
+    _zero_rows_kernel[(3,)](z, M, width, z.stride(0), M * topk, topk, ids, ids.stride(0), ids.stride(1), emap,
+                            emap.numel(), E, 1)
+    assert (z[empty, :width] == 0).all() and z[~empty].isnan().all() and z[:, width:].isnan().all()
 
 
 @interpreted

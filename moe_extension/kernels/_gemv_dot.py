@@ -11,7 +11,7 @@ the row as column 0 of its 16 (the other columns are zeros), so the weights are 
 (fp8 block, per 128 columns) exactly as in the sorted kernels.
 
 Items (tile of output columns, pair, split of the reduction); a pair has work when its slot is valid (gemv2 with
-SUM_SLOTS also slot 0 of a token without valid slots: that token's zeros, at split 0). Grid (cdiv(N_OUT, BLOCK_N),
+ZERO_ROWS also slot 0 of a token without valid slots: that token's zeros, at split 0). Grid (cdiv(N_OUT, BLOCK_N),
 P, SPLIT): a program per item, those of pairs without work exit. With WORK_LIST, grid (programs,): each program
 takes the items of the pairs with work in turn (item ``i``, ``i + programs``, ...), the pairs found in order by
 scanning them CHUNK at a time (``_active_pairs``, ``_nth_active``); the host's choice (``fused_experts._gemv_grid``,
@@ -19,10 +19,11 @@ scanning them CHUNK at a time (``_active_pairs``, ``_nth_active``); the host's c
 
 - ``gemv1_dot_kernel``: x[t] times the rows of gemm1's output tile (2 BLOCK_N rows with a gated activation, stacked
   as in ``_grouped_gemm._gemm1_block``) -> ``a[p, tile]`` with gemm1's epilogue (router weight or not, bias,
-  activation); rows of invalid pairs untouched.
+  activation); rows of invalid pairs untouched. With WORK_LIST and ZERO_ROWS it also stores the zero rows of the
+  fused op's output (``z``: the tokens without a valid slot, ``_zero_rows``), which gemv2 then leaves alone.
 - ``gemv2_dot_kernel``: W2[e] rows times a[t, j] -> ``out[t, tile]`` summed over the token's slots in slot order
-  (SUM_SLOTS; a token without valid slots gets 0), or ``out[t, j, tile]`` per pair (rows of invalid pairs
-  untouched), with bias and router weight as gemm2.
+  (SUM_SLOTS; a token without valid slots gets 0 here with ZERO_ROWS, else from gemv1), or ``out[t, j, tile]`` per
+  pair (rows of invalid pairs untouched), with bias and router weight as gemm2.
 
 NOTE: grids of pair groups sized by the pairs expected here, whose programs took their group's valid pairs one after
 the other, were never faster on the H200 and slower where a program took several (DeepSeek-V3 fp8 block, 32 of 256
@@ -63,6 +64,8 @@ from moe_extension.kernels._weight_formats import (acc_finish, dot_step_t, quant
 
 # Pairs scanned at a time for those with work (``_active_pairs``); a decode call has a few to a few dozen.
 CHUNK = tl.constexpr(64)
+# Columns of a zero row stored at a time (``_zero_rows``).
+ZERO_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit
@@ -185,17 +188,38 @@ def _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_i
         return tl.program_id(0), tl.program_id(1), tl.program_id(2)
 
 
+@triton.jit
+def _zero_rows(z_ptr, n_tokens, width, stride_zm, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
+               has_map):
+    """Zeroes ``z[t, :width]`` (the fused op's output) for the tokens t none of whose slots is valid: the tokens
+    ``program_id``, ``program_id + programs``, ...; each token's slots are read CHUNK at a time."""
+    jj = tl.arange(0, CHUNK)
+    zeros = tl.zeros([ZERO_BLOCK], dtype=z_ptr.dtype.element_ty)
+    for t in range(tl.program_id(0), n_tokens, tl.num_programs(0)):
+        n_valid = t * 0
+        for j0 in range(0, topk, CHUNK):
+            _, ok = local_expert(ids_ptr, t * topk + j0 + jj, tl.minimum(P, t * topk + topk), stride_im, stride_ik,
+                                 map_ptr, E_global, E, topk, has_map)
+            n_valid += tl.sum(ok.to(tl.int32), axis=0)
+        if n_valid == 0:
+            for c0 in range(0, width, ZERO_BLOCK):
+                offs = c0 + tl.arange(0, ZERO_BLOCK)
+                tl.store(z_ptr + tl.cast(t, tl.int64) * stride_zm + offs, zeros, mask=offs < width)
+
+
 @triton.jit(do_not_specialize=["E_global", "E", "P", "topk", "has_map", "has_bias", "router_on_input",
-                               *_RUNTIME_STRIDES, "stride_im", "stride_ik"])
+                               *_RUNTIME_STRIDES, "stride_im", "stride_ik", "n_tokens", "z_width", "stride_zm"])
 def gemv1_dot_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, os_ptr, part_ptr, cnt_ptr, gw_ptr, ids_ptr, map_ptr, E_global, E,
     P, topk, N_OUT, N_HALF, K, k_per_split, has_map, has_bias, router_on_input,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_bn,
     stride_om, stride_on, stride_im, stride_ik, stride_gm, stride_gk, stride_xsm, stride_osm, alpha, limit,
     u_ptr, stride_up, lb_ptr, stride_lbl, stride_lbe, stride_lbn, stride_lbr, lm_ptr, stride_lm, L, R,
+    z_ptr, n_tokens, z_width, stride_zm,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr, G_ON_A: tl.constexpr, LORA: tl.constexpr,
     BLOCK_R: tl.constexpr, A_Q: tl.constexpr, Q_OUT: tl.constexpr, PDL: tl.constexpr, WORK_LIST: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
 ):
     """out[p, n0:n0+BLOCK_N] of gemm1 (module docstring); ``part`` [SPLIT, P, tiles, W_ROWS] fp32 and ``cnt``
     [P, tiles] with SPLIT > 1. G_ON_A as in ``_gemm1_block``. LORA (ACT 0 only): plus ``g B[l, e] u[p]`` on the
@@ -211,6 +235,9 @@ def gemv1_dot_kernel(
                                                per_pair, False, WORK_LIST)
     if WORK_LIST:
         grid_dependency(PDL)
+        if ZERO_ROWS:
+            _zero_rows(z_ptr, n_tokens, z_width, stride_zm, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
+                       E, has_map)
     for item in range(start, end, step):
         pid_n, p, s = _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
                             E, has_map, SPLIT, False, WORK_LIST)
@@ -269,23 +296,25 @@ def gemv2_dot_kernel(
     SUM_SLOTS: tl.constexpr, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
     LORA: tl.constexpr, BLOCK_R: tl.constexpr, A_Q: tl.constexpr, PDL: tl.constexpr, WORK_LIST: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
 ):
     """out of gemm2 (module docstring): nslot = topk (SUM_SLOTS) or 1, SLOTS >= nslot a power of two; ``part``
     [SPLIT, P, tiles, BLOCK_N] fp32 and ``cnt`` [M or P, tiles] when nslot * SPLIT > 1. LORA (per pair only):
     plus ``g B[l, e] u[p]`` on the active pairs, as in ``gemv1_dot_kernel``. A_Q (fp8 block): ``a`` holds e4m3
     values, ``as_ptr`` their scales per pair and 128 columns (pair stride ``stride_asp``)."""
     tl.static_assert(not LORA or not SUM_SLOTS, "the LoRA expand is fused per pair only")
+    tl.static_assert(SUM_SLOTS or not ZERO_ROWS, "zero rows are the slot sum's")
     tiles = tl.cdiv(N_OUT, BLOCK_N)
     per_pair = tiles * SPLIT
     c = tl.arange(0, BLOCK_N)
     jj = tl.arange(0, SLOTS)
     start, end, step, pp0, act0, cum0 = _items(P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E, has_map,
-                                               per_pair, SUM_SLOTS, WORK_LIST)
+                                               per_pair, ZERO_ROWS, WORK_LIST)
     if WORK_LIST:
         grid_dependency(PDL)
     for item in range(start, end, step):
         pid_n, p, s = _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global,
-                            E, has_map, SPLIT, SUM_SLOTS, WORK_LIST)
+                            E, has_map, SPLIT, ZERO_ROWS, WORK_LIST)
         t = p // topk
         j = p - t * topk
         expert, valid = local_expert(ids_ptr, p, P, stride_im, stride_ik, map_ptr, E_global, E, topk, has_map)
@@ -297,9 +326,9 @@ def gemv2_dot_kernel(
                                      E_global, E, topk, has_map)
         if SUM_SLOTS:
             # Only the token's valid slots take part (an expert-parallel shard's token has few); a token without
-            # any gets its zeros from its slot 0 at split 0.
+            # any gets its zeros from its slot 0 at split 0 (ZERO_ROWS; else gemv1 stored them).
             valid_slots = tl.sum(ok_vec.to(tl.int32), axis=0)
-            run = valid | ((valid_slots == 0) & (j == 0) & (s == 0))
+            run = valid | (ZERO_ROWS & (valid_slots == 0) & (j == 0) & (s == 0))
             arrivals = valid_slots * SPLIT
         else:
             run = valid

@@ -448,7 +448,7 @@ def _gemv_grid(tiles: int, pairs: int, splits: int, cfg: GemmConfig, rows: int, 
 
 def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, cfg: GemmConfig, counters=None,
            lora: FusedExpand | None = None, out_scale: torch.Tensor | None = None,
-           x_scale: torch.Tensor | None = None, pdl: bool = False):
+           x_scale: torch.Tensor | None = None, pdl: bool = False, zero_rows: torch.Tensor | None = None) -> bool:
     """Rows p of out [P, n_out] for the valid pairs (direct path). Tensor-core GEMVs (``WeightOperand.dot_gemvs``, or
     16-bit dense weights with ``cfg.dot``):
     ``counters`` (zeroed int32, at least ``_gemv1_dot_counters``; None: allocated here). ``lora`` (act none only):
@@ -456,7 +456,9 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
     (``quantize_fp8_rows``) unless the router weights scale it (``weights``: g x is quantized per pair, per step);
     ``out_scale`` [P, cdiv(n_out, 128)] (cfg.block_n a multiple of 128): out is e4m3 and the rows are stored
     quantized, these their scales. ``x_scale``: x is e4m3 already, these its scales (``quantize_fp8_rows``).
-    ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch."""
+    ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch. ``zero_rows`` (the fused op's output
+    [M, K], contiguous rows): where the launch takes a work list, it also zeroes the rows of the tokens without a
+    valid slot and returns True (``_gemv2`` is then told to leave them); False otherwise."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
@@ -479,6 +481,8 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
                                                                      x.device)
         grid, work_list = _gemv_grid(tiles, M * topk, splits, cfg, w_rows, w1, x.device,
                                      _gemv_work_list(w1, local_pairs(M, topk, E, expert_map)))
+        zeroes = work_list and zero_rows is not None
+        z = zero_rows if zeroes else out
         gemv1_dot_kernel[grid](
             x, x_scale if x_scale is not None else x, w1.w, w1.scale, bias if bias is not None else out, out,
             out_scale if out_scale is not None else out, part, cnt, weights if weights is not None else out,
@@ -487,14 +491,14 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
             int(weights is not None), x.stride(0), x.stride(1), *w1.strides, _stride(bias, 0), _stride(bias, 1),
             out.stride(0), out.stride(1), topk_ids.stride(0), topk_ids.stride(1),
             _stride(weights, 0), _stride(weights, 1), _stride(x_scale, 0), _stride(out_scale, 0), float(alpha),
-            float(limit), *lora_args,
+            float(limit), *lora_args, z, z.shape[0] if zeroes else 0, z.shape[1], z.stride(0),
             ACT=act, EVEN_K=K % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             DOT_PREC=_dot_precision(x.dtype, w1), WFMT=w1.fmt, PTX=_ptx(x.device),
             G_ON_A=weights is not None and not w1.dense, A_Q=x_scale is not None, Q_OUT=out_scale is not None,
-            WORK_LIST=work_list, **lora_flags,
+            WORK_LIST=work_list, ZERO_ROWS=zeroes, **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
-        return
+        return zeroes
     grid = (cdiv(n_out, cfg.block_n), M * topk)
     kern.gemv1_kernel[grid](
         x, w1.w, w1.scale, bias if bias is not None else out, out, weights if weights is not None else out,
@@ -507,14 +511,17 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
         WFMT=w1.fmt, PTX=_ptx(x.device), G_ON_A=weights is not None and not w1.dense, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **lora_flags,
     )
+    return False
 
 
 def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg: GemmConfig, counters=None,
-           lora: FusedExpand | None = None, a_scale: torch.Tensor | None = None, pdl: bool = False):
+           lora: FusedExpand | None = None, a_scale: torch.Tensor | None = None, pdl: bool = False,
+           zero_rows: bool = True):
     """Direct second GEMM. ``a [M, topk, N]``; out [M, K] (sum_slots) or [M, topk, K]. ``counters`` and ``lora``
     (not with sum_slots): as in ``_gemv1`` (``_gemv2_dot_counters``). fp8 block: ``a`` e4m3 with ``a_scale``
     [M * topk, cdiv(N, 128)] its scales (gemv1's quantized output), or quantized here (``quantize_fp8_rows``).
-    ``pdl``: as in ``_gemv1``."""
+    ``pdl``: as in ``_gemv1``. ``zero_rows`` False (with sum_slots): the rows of the tokens without a valid slot are
+    zeroed already (``_gemv1``'s ``zero_rows``); the tensor-core GEMV leaves them."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w2 = WeightOperand.of(w2)
     E, K, N = w2.shape
@@ -547,7 +554,7 @@ def _gemv2(a, w2, bias, out, topk_ids, expert_map, weights, sum_slots: bool, cfg
             topk_ids.stride(1), _stride(weights, 0), _stride(weights, 1), _stride(a_scale, 0), *lora_args,
             SUM_SLOTS=sum_slots, SLOTS=slots, EVEN_K=N % cfg.block_k == 0, SPLIT=splits, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(a.dtype, w2), WFMT=w2.fmt, PTX=_ptx(a.device),
-            A_Q=a_scale is not None, WORK_LIST=work_list, **lora_flags,
+            A_Q=a_scale is not None, WORK_LIST=work_list, ZERO_ROWS=sum_slots and zero_rows, **lora_flags,
             **pdl_options(pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return
@@ -617,9 +624,10 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                 c1, c2 = cnt[:max(1, n1)], cnt[n1:] if n2 else cnt
             # With PDL only after the quantization, which lets gemv1 launch at once (see the NOTE in the docstring).
             dot_pdl = pdl and fp8 and w_in is None
-            _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit, cfg.gemm1, c1,
-                   out_scale=a_scale, x_scale=x_scale, pdl=dot_pdl)
-            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale, pdl=dot_pdl)
+            zeroed = _gemv1(x, w1, w1_bias, a.view(M * topk, N), topk_ids, expert_map, act, w_in, alpha, limit,
+                            cfg.gemm1, c1, out_scale=a_scale, x_scale=x_scale, pdl=dot_pdl, zero_rows=out)
+            _gemv2(a, w2, w2_bias, out, topk_ids, expert_map, w_out, True, cfg.gemm2, c2, a_scale=a_scale, pdl=dot_pdl,
+                   zero_rows=not zeroed)
             return out
         x, x_scale, a_scale = hidden_states, None, None
         if fp8 and w_in is None and not gathers_rows(hidden_states, cfg.gemm1, quantize=True):
