@@ -458,7 +458,14 @@ def _gemv1(x, w1, bias, out, topk_ids, expert_map, act, weights, alpha, limit, c
     quantized, these their scales. ``x_scale``: x is e4m3 already, these its scales (``quantize_fp8_rows``).
     ``pdl`` (tensor-core GEMVs): launched with programmatic dependent launch. ``zero_rows`` (the fused op's output
     [M, K], contiguous rows): where the launch takes a work list, it also zeroes the rows of the tokens without a
-    valid slot and returns True (``_gemv2`` is then told to leave them); False otherwise."""
+    valid slot and returns True (``_gemv2`` is then told to leave them); False otherwise.
+    NOTE: the zero rows from gemv1's work-list programs (after their scan, beside their items) instead of gemv2's
+    items of such a token's slot 0 (which wait for gemv1's completion, then read the token's routing again): H200,
+    DeepSeek-V3's fp8 block shard of 32 of 256 experts, CUDA-graph medians of 5 interleaved rounds over 8 routings,
+    outputs bitwise equal: M = 1 without a local pair 4.8 against 7.7 us, M = 1 on random routings 21.2 against 22.2,
+    M = 2 25.7 against 26.9, M = 1 with one local pair (no zero row) 23.5 against 23.5
+    (benchmarks/results/ab_gemv1_zero_rows_h200.txt: ``python benchmarks/ab_fused_experts.py --quant fp8_block --model
+    deepseek-v3 --local-experts 32 --activation silu --tokens 1 --local-pairs 0 --sets 8 --zero-rows-in-gemv2``)."""
     lora_args, lora_flags = expand_epilogue_args(lora, out)
     w1 = WeightOperand.of(w1)
     E, two_n, K = w1.shape
