@@ -191,8 +191,9 @@ def _item(item, per_pair, pp0, act0, cum0, P, topk, ids_ptr, stride_im, stride_i
 @triton.jit
 def _zero_rows(z_ptr, n_tokens, width, stride_zm, P, topk, ids_ptr, stride_im, stride_ik, map_ptr, E_global, E,
                has_map):
-    """Zeroes ``z[t, :width]`` (the fused op's output) for the tokens t none of whose slots is valid: the tokens
-    ``program_id``, ``program_id + programs``, ...; each token's slots are read CHUNK at a time."""
+    """Zeroes ``z[t, :width]`` (the fused op's output, rows of contiguous columns, row stride ``stride_zm``) for the
+    tokens t none of whose slots is valid: the tokens ``program_id``, ``program_id + programs``, ...; each token's
+    slots are read CHUNK at a time."""
     jj = tl.arange(0, CHUNK)
     zeros = tl.zeros([ZERO_BLOCK], dtype=z_ptr.dtype.element_ty)
     for t in range(tl.program_id(0), n_tokens, tl.num_programs(0)):
