@@ -564,6 +564,22 @@ def test_fp8_heuristic_gemm2_row_tiles(N, rows):
     assert cfg.gemm2.num_warps == (4 if rows else whole_block_warps)
 
 
+def test_fp8_heuristic_block_rows():
+    """Rows per block of the sorted schedule by the rows per expert expected: blocks of 64 from 28 rows on (one
+    block for most experts where two of 32 would stream their weights twice), 32 at 17-28, 16 up to 16, 128 beyond
+    160 where N is a multiple of 128 (else at most 64)."""
+    def block_m(M, E=256, N=2048, topk=8):
+        return configs.heuristic_config(M, E, N, 7168, topk, torch.bfloat16, True, True, quant="fp8_block").block_m
+
+    assert block_m(1024) == 64 and block_m(1280) == 64  # 32 and 40 rows per expert
+    assert block_m(1024, N=512) == 64 and block_m(1024, N=1000) == 64
+    assert block_m(960) == 64 and block_m(880) == 32  # 30 and 27.5 rows
+    assert block_m(768) == 32 and block_m(600) == 32  # 24 and 18.75 rows
+    assert block_m(480) == 16  # 15 rows
+    assert block_m(8192) == 128 and block_m(8192, N=1000) == 64  # 256 rows
+    assert block_m(2048, E=512, N=256, topk=10) == 64  # 40 rows
+
+
 def test_sanitize_fp8_fixes_tiles():
     """Tiles from an older table or a hand-written config come out in the format's rules."""
     bad = MoeConfig("sorted", 128, GemmConfig(64, 64, 4, 4, tma_weights=True, tma_a=True),

@@ -257,8 +257,17 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # NOTE: block_m trades padding waste (up to block_m - 1 rows per hit expert) against tile efficiency;
     # wgmma needs 64 rows per warpgroup, smaller blocks run mma.sync (fine while weight-streaming).
     block_m = 16 if rows <= 16 else 32 if rows <= 40 else 64 if rows <= 160 else 128
-    if rows > 24 and quant == "none" and esize == 2:
-        # 16-bit weights: see dense_sorted_tiles (blocks of 64 from 24 rows per expert on).
+    if (rows > 24 and quant == "none" and esize == 2) or (rows > 28 and quant == "fp8_block"):
+        # 16-bit weights: see dense_sorted_tiles (blocks of 64 from 24 rows per expert on). fp8 block from 28 (between
+        # the 24 and 32 measured below): at 32-40 rows per expert about half the experts' rows spill into a second
+        # block of 32, whose tile streams the expert's weights again.
+        # NOTE: fp8 block on an H200, whole op, silu, CUDA-graph medians of 5 interleaved rounds, blocks of 64
+        # against 32 (the heuristic's other tiles): 32 rows per expert DeepSeek-V3 (M 1024) 3158.6 against 3831.9 us,
+        # its TP-4 shard (N 512) 946.6 against 1110.8, Qwen3-30B-A3B (M 512) 244.6 against 256.7; 40 rows
+        # qwen3-next-80b-a3b-tp2 (M 2048) 410.5 against 538.3; at 24 rows blocks of 32 stay ahead (DeepSeek-V3
+        # M 768 2979.0 against 3090.6), and at 16 (M 512: 2897.4, blocks of 64 3011.3)
+        # (benchmarks/results/ab_fp8_block_rows_h200.txt: ``python benchmarks/ab_fused_experts.py --quant fp8_block
+        # --activation silu --model deepseek-v3 --tokens 1024 --variant '{"block_m": 64, ...}'``).
         block_m = max(block_m, 64)
     if (rows >= 96 and quant == "mxfp4_mma") or (rows >= 64 and quant == "none" and esize == 2):
         # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
