@@ -567,9 +567,14 @@ def test_fp8_heuristic_gemm2_row_tiles(N, rows):
 def test_fp8_heuristic_block_rows():
     """Rows per block of the sorted schedule by the rows per expert expected: blocks of 64 from 28 rows on (one
     block for most experts where two of 32 would stream their weights twice), 32 at 17-28, 16 up to 16, 128 beyond
-    160 where N is a multiple of 128 (else at most 64)."""
+    160 where N is a multiple of 128 (else at most 64); gemm1 at blocks of 64 in 4 stages where they fit the
+    shared-memory budget (bf16 activations; fp32 ones 3)."""
     def block_m(M, E=256, N=2048, topk=8):
         return configs.heuristic_config(M, E, N, 7168, topk, torch.bfloat16, True, True, quant="fp8_block").block_m
+
+    def gemm1_stages(M, dtype):
+        cfg = configs.heuristic_config(M, 256, 2048, 7168, 8, dtype, True, True, quant="fp8_block")
+        return configs.sanitize(cfg, dtype, 2048, 7168, 8, quant="fp8_block").gemm1.num_stages
 
     assert block_m(1024) == 64 and block_m(1280) == 64  # 32 and 40 rows per expert
     assert block_m(1024, N=512) == 64 and block_m(1024, N=1000) == 64
@@ -578,6 +583,8 @@ def test_fp8_heuristic_block_rows():
     assert block_m(480) == 16  # 15 rows
     assert block_m(8192) == 128 and block_m(8192, N=1000) == 64  # 256 rows
     assert block_m(2048, E=512, N=256, topk=10) == 64  # 40 rows
+    assert gemm1_stages(1024, torch.bfloat16) == 4 and gemm1_stages(1024, torch.float32) == 3
+    assert gemm1_stages(768, torch.bfloat16) == 3 and gemm1_stages(8192, torch.bfloat16) == 3  # blocks of 32, 128
 
 
 def test_sanitize_fp8_fixes_tiles():

@@ -325,8 +325,15 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # topk 8, K 7168, N 2048) on the H100, fused_experts 4487 -> 4362 us at M = 1024, 11891 -> 11655 us at
         # M = 8192, 3401 -> 3394 at M = 64 (``python benchmarks/bench_fused_experts_fp8.py --skip-peers``).
         block_m = min(block_m, fp8_max_block_m(N))
-        g1 = dataclasses.replace(g1, block_n=128, block_k=128, num_warps=8 if block_m >= 64 else 4, num_stages=3,
-                                 group_m=0, tma_weights=True, tma_a=False, tail_m=block_m // 4 if block_m >= 64 else 0)
+        # NOTE: gemm1 at blocks of 64 in 4 stages (192 KB of shared memory, one program per SM either way), against
+        # 3: H200, silu, CUDA-graph medians of 5 interleaved rounds, DeepSeek-V3 M = 1024 3036.1 against 3186.7 us,
+        # its TP-4 shard (N 512) 919.2 against 946.6, qwen3-next-80b-a3b-tp2 M = 2048 398.9 against 409.0,
+        # Qwen3-30B-A3B M = 1024 270.0 against 279.8 (benchmarks/results/ab_fp8_block_rows_h200.txt, run 2:
+        # ``python benchmarks/ab_fused_experts.py --quant fp8_block --activation silu --model deepseek-v3 --tokens
+        # 1024 --variant '{"gemm1": {"num_stages": 4}}'``); fp8_tiles takes stages off where they do not fit.
+        g1 = dataclasses.replace(g1, block_n=128, block_k=128, num_warps=8 if block_m >= 64 else 4,
+                                 num_stages=4 if block_m == 64 else 3, group_m=0, tma_weights=True, tma_a=False,
+                                 tail_m=block_m // 4 if block_m >= 64 else 0)
         # NOTE: TMA loads of gemm2's quantized intermediate at block_m 64: 12069 -> 11785 us at M = 8192 and
         # 6700 -> 6563 at M = 4096 (block_m 32 at M = 1024: 4336 -> 4340). gemm1's sorted quantized copy for TMA
         # (tma_a) was slower: 12069 -> 12497 at M = 8192, 4336 -> 4418 at M = 1024 (same layer and command).
