@@ -260,7 +260,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     if (rows > 24 and quant == "none" and esize == 2) or (rows > 28 and quant == "fp8_block"):
         # 16-bit weights: see dense_sorted_tiles (blocks of 64 from 24 rows per expert on). fp8 block from 28 (between
         # the 24 and 32 measured below): at 32-40 rows per expert about half the experts' rows spill into a second
-        # block of 32, whose tile streams the expert's weights again.
+        # block of 32, whose tile reads the expert's weights again.
         # NOTE: fp8 block on an H200, whole op, silu, CUDA-graph medians of 5 interleaved rounds, blocks of 64
         # against 32 (the heuristic's other tiles): 32 rows per expert DeepSeek-V3 (M 1024) 3158.6 against 3831.9 us,
         # its TP-4 shard (N 512) 946.6 against 1110.8, Qwen3-30B-A3B (M 512) 244.6 against 256.7; 40 rows
@@ -325,10 +325,11 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # topk 8, K 7168, N 2048) on the H100, fused_experts 4487 -> 4362 us at M = 1024, 11891 -> 11655 us at
         # M = 8192, 3401 -> 3394 at M = 64 (``python benchmarks/bench_fused_experts_fp8.py --skip-peers``).
         block_m = min(block_m, fp8_max_block_m(N))
-        # NOTE: gemm1 at blocks of 64 in 4 stages (192 KB of shared memory, one program per SM either way), against
-        # 3: H200, silu, CUDA-graph medians of 5 interleaved rounds, DeepSeek-V3 M = 1024 3036.1 against 3186.7 us,
-        # its TP-4 shard (N 512) 919.2 against 946.6, qwen3-next-80b-a3b-tp2 M = 2048 398.9 against 409.0,
-        # Qwen3-30B-A3B M = 1024 270.0 against 279.8 (benchmarks/results/ab_fp8_block_rows_h200.txt, run 2:
+        # NOTE: gemm1 at blocks of 64 in 4 stages (160 KB of shared memory; one program per SM either way, its 224
+        # registers on 8 warps bound it: compile_report.py) against 3: H200, silu, CUDA-graph medians of 5
+        # interleaved rounds, DeepSeek-V3 M = 1024 3036.1 against 3186.7 us, its TP-4 shard (N 512) 919.2 against
+        # 946.6, qwen3-next-80b-a3b-tp2 M = 2048 398.9 against 409.0, Qwen3-30B-A3B M = 1024 270.0 against 279.8
+        # (benchmarks/results/ab_fp8_block_rows_h200.txt, run 2:
         # ``python benchmarks/ab_fused_experts.py --quant fp8_block --activation silu --model deepseek-v3 --tokens
         # 1024 --variant '{"gemm1": {"num_stages": 4}}'``); fp8_tiles takes stages off where they do not fit.
         g1 = dataclasses.replace(g1, block_n=128, block_k=128, num_warps=8 if block_m >= 64 else 4,
