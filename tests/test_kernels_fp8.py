@@ -568,7 +568,7 @@ def test_fp8_heuristic_block_rows():
     """Rows per block of the sorted schedule by the rows per expert expected: blocks of 64 from 28 rows on (one
     block for most experts where two of 32 would stream their weights twice), 32 at 17-28, 16 up to 16, 128 beyond
     160 where N is a multiple of 128 (else at most 64); gemm1 at blocks of 64 in 4 stages where they fit the
-    shared-memory budget (bf16 activations; fp32 ones 3)."""
+    shared-memory budget (bf16 activations; fp32 ones 3) and without tail tiles (blocks of 128: 32-row ones)."""
     def block_m(M, E=256, N=2048, topk=8):
         return configs.heuristic_config(M, E, N, 7168, topk, torch.bfloat16, True, True, quant="fp8_block").block_m
 
@@ -585,6 +585,9 @@ def test_fp8_heuristic_block_rows():
     assert block_m(2048, E=512, N=256, topk=10) == 64  # 40 rows
     assert gemm1_stages(1024, torch.bfloat16) == 4 and gemm1_stages(1024, torch.float32) == 3
     assert gemm1_stages(768, torch.bfloat16) == 3 and gemm1_stages(8192, torch.bfloat16) == 3  # blocks of 32, 128
+    tails = [configs.heuristic_config(M, 256, 2048, 7168, 8, torch.bfloat16, True, True, quant="fp8_block").gemm1.tail_m
+             for M in (768, 1024, 4096, 8192)]
+    assert tails == [0, 0, 0, 32]
 
 
 def test_sanitize_fp8_fixes_tiles():

@@ -332,9 +332,15 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # (benchmarks/results/ab_fp8_block_rows_h200.txt, run 2:
         # ``python benchmarks/ab_fused_experts.py --quant fp8_block --activation silu --model deepseek-v3 --tokens
         # 1024 --variant '{"gemm1": {"num_stages": 4}}'``); fp8_tiles takes stages off where they do not fit.
+        # NOTE: and without 16-row tail tiles there (an expert's last block in one 64-row tile): same GPU and
+        # rounds, Qwen3-30B-A3B M = 2048 417.7 against 424.3 us, Qwen3-235B-A22B TP 4 M = 2048 461.8 against 468.2,
+        # qwen3-next-80b-a3b-tp2 M = 2048 391.6 against 398.6, DeepSeek-V3 TP 4 M = 1024 893.7 against 901.8,
+        # DeepSeek-V3 M = 1024 2905.8 against 2901.7 (run 5 there: ``--variant '{"gemm1": {"tail_m": 0}}'``). The
+        # persistent gemm1 (one program per SM walking the tiles; 250 registers) was no faster: 461.2 at
+        # Qwen3-30B-A3B, 2954.8 at DeepSeek-V3, so fp8 block keeps the tiled launch (``sanitize``).
         g1 = dataclasses.replace(g1, block_n=128, block_k=128, num_warps=8 if block_m >= 64 else 4,
                                  num_stages=4 if block_m == 64 else 3, group_m=0, tma_weights=True, tma_a=False,
-                                 tail_m=block_m // 4 if block_m >= 64 else 0)
+                                 tail_m=block_m // 4 if block_m >= 128 else 0)
         # NOTE: TMA loads of gemm2's quantized intermediate at block_m 64: 12069 -> 11785 us at M = 8192 and
         # 6700 -> 6563 at M = 4096 (block_m 32 at M = 1024: 4336 -> 4340). gemm1's sorted quantized copy for TMA
         # (tma_a) was slower: 12069 -> 12497 at M = 8192, 4336 -> 4418 at M = 1024 (same layer and command).
