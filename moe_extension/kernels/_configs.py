@@ -467,8 +467,9 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
 
 
 # Intermediate size N from which the MXFP4 MMA-layout heuristic runs the large layers' tiles (``mxfp4_mma_heuristic``).
-# NOTE: H200, whole op, CUDA-graph medians of 5 interleaved rounds, outputs bitwise equal, former tiles -> these:
-# blocks of 128 with gemm1 on 256 weight rows and 8 warps, TMA rows: gpt-oss-120b M 4096 2110 -> 2018 us, gpt-oss-20b
+# NOTE: H200, whole op, CUDA-graph medians of 5 interleaved rounds, outputs bitwise equal, the small layers' tiles ->
+# the large layers': blocks of 128 with gemm1 on TMA rows (then on 256 weight rows and 8 warps; its tile now is
+# MXFP4_MMA_WIDE_GEMM1_STAGES's, measured against that one): gpt-oss-120b M 4096 2110 -> 2018 us, gpt-oss-20b
 # M 1024 526 -> 515, the Mixtral-8x7B shape (N 14336) M 1024 1583 -> 1484, DeepSeek-V2-Lite's (N 1408) M 2048
 # 599 -> 591, but Qwen3-30B-A3B's (N 768) M 4096 801 -> 841. 16-40 rows per expert in one block of 64 instead of two
 # of 32 (gemm1 with TMA rows and no tail tile, gemm2 256 columns on 8 warps with a 32-row tail): gpt-oss-120b M 1024
@@ -478,6 +479,21 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
 # 288 -> 304. (benchmarks/results/ab_mxfp4_large_layers_h200.txt: ``python benchmarks/ab_fused_experts.py --quant
 # mxfp4_mma --model MODEL --tokens M --variant ...``.)
 MXFP4_MMA_WIDE_N = 1024
+
+# The large layers' gemm1 at blocks of 128 (``mxfp4_mma_heuristic``): 128 weight rows (64 columns of gate and up) on 4
+# warps in 2 stages, 74 KB of shared memory and 254 registers, so that two programs share each SM and one decodes
+# while the other's MMAs run (compile_report.py under Triton 3.6); 3 stages (115 KB) fit one.
+# NOTE: H200, whole op, CUDA-graph medians of 7 interleaved rounds, outputs bitwise equal, against 256 weight rows on 8
+# warps in 3 stages (one program per SM): gpt-oss-20b M 4096 1691.1 against 1765.4 us (gemm1 eager 923.0 against
+# 1027.7; an earlier run 1603.0 against 1706.9), M 2048 913.7 against 920.7, M 8192 3213.3 against 3272.8;
+# gpt-oss-120b M 8192 3582.3 against 3647.8, M 4096 2022.8 against 2015.8 (gemm1 eager 1184.3 against 1196.7); the
+# Mixtral-8x7B shape M 4096 5227.5 against 5295.4, M 1024 1509.7 against 1499.7; DeepSeek-V2-Lite's M 4096 970.3
+# against 993.5; Llama-4-Scout's M 4096 2042.9 against 2086.2; Phi-3.5-MoE's M 2048 1319.9 against 1318.8;
+# Qwen2-57B-A14B TP 2 M 4096 1960.7 against 1948.4 (benchmarks/results/ab_mxfp4_gemm1_two_programs_h200.txt:
+# ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1":
+# {"block_n": 128, "num_warps": 8, "num_stages": 3}}'``). 2 stages where the layer is not large (Qwen3-30B-A3B's
+# N 768, M 4096) were slower: 840.1 against 798.4.
+MXFP4_MMA_WIDE_GEMM1_STAGES = 2
 
 # Register cap of the large layers' gemm1 tile at blocks of 64 (64 columns of gate and up on 4 warps, 66.5 KB of
 # shared memory): 168 = 65536 registers / (3 programs x 128 threads), rounded down to 8, so that a third program
@@ -522,12 +538,12 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     g2 = dataclasses.replace(g2, block_n=bn2, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
                              split_k=split, tail_m=16 if wide else g2.tail_m, tma_a=g2.tma_a and not wide)
     if N >= MXFP4_MMA_WIDE_N and block_m >= 64:
-        # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 run 256 weight rows (128 columns of gate
-        # and up) on 8 warps, blocks of 64 keep gemm1's tile, capped at three programs' registers per SM
-        # (MXFP4_MMA_GEMM1_REGISTERS), and give gemm2 256 output columns on 8 warps with a 32-row tail tile
-        # (MXFP4_MMA_WIDE_N).
+        # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 keep gemm1's tile of 128 weight rows on
+        # 4 warps in 2 stages (two programs per SM: MXFP4_MMA_WIDE_GEMM1_STAGES), blocks of 64 keep it in 3,
+        # capped at three programs' registers per SM (MXFP4_MMA_GEMM1_REGISTERS), and give gemm2 256 output
+        # columns on 8 warps with a 32-row tail tile (MXFP4_MMA_WIDE_N).
         if wide:
-            g1 = dataclasses.replace(g1, block_n=128, num_warps=8, tma_a=True, tail_m=16)
+            g1 = dataclasses.replace(g1, num_stages=MXFP4_MMA_WIDE_GEMM1_STAGES, tma_a=True, tail_m=16)
         else:
             g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS)
             g2 = dataclasses.replace(g2, block_n=256, num_warps=8, tma_a=True, tail_m=32)
