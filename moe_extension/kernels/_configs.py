@@ -549,10 +549,11 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
         # against with its 16-row tail: gpt-oss-20b M 384 (48 rows per expert) 239.5 against 255.8 us, M 512 333.6
         # against 336.8, DeepSeek-V2-Lite's M 512 182.4 against 194.9, Qwen2-57B-A14B TP 2 M 512 368.2 against
         # 382.3, the Mixtral-8x7B shape M 256 568.7 against 573.1, Phi-3.5-MoE's M 512 491.1 against 490.2,
-        # gpt-oss-120b M 2048 1383.3 against 1364.1 in a wide spread (its gemm1 737.8 against 761.9 eager)
-        # (benchmarks/results/ab_mxfp4_gemm1_tail_h200.txt: ``python benchmarks/ab_fused_experts.py --quant
-        # mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"tail_m": 16}}'``). Smaller layers keep the tail
-        # (Qwen3-30B-A3B's N 768, M 1024: 290.1 with it, 301.8 without, 295.6 without and capped at 168 registers).
+        # gpt-oss-120b M 2048 1383.3 against 1364.1 in a wide spread, level in a second run (1372.4 against 1373.8;
+        # its gemm1 733.1 against 766.7 eager) (benchmarks/results/ab_mxfp4_gemm1_tail_h200.txt: ``python
+        # benchmarks/ab_fused_experts.py --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"tail_m":
+        # 16}}'``). Smaller layers keep the tail, serialized too (Qwen3-30B-A3B's N 768, M 1024: 288.2 with it, 301.1
+        # without, 293.6 without and capped at 168 registers; Qwen3-Next TP 2's N 256, M 4096: 687.9, 709.3, 694.2).
         if wide:
             g1 = dataclasses.replace(g1, num_stages=MXFP4_MMA_WIDE_GEMM1_STAGES, tma_a=True, tail_m=16)
         else:
