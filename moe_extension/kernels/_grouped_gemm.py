@@ -229,9 +229,14 @@ def _tile(pid, num_blocks_m, num_tiles_n, block_expert_ptr, counts_ptr, starts_p
 
 
 @triton.jit
-def _valid_rows(sorted_ptr, row0, P, BLOCK_M: tl.constexpr):
-    """Valid (non-padding) rows of the block at sorted row0: they come first, the sentinel P pads."""
-    return tl.sum((tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M)) < P).to(tl.int32), axis=0)
+def _rows_from(counts_ptr, starts_ptr, expert, row0):
+    """Valid (non-padding) rows of ``expert``'s sorted rows from row0 on (its block or row tile and the rest of its
+    blocks): an expert's valid pairs come first in its blocks, ``expert_counts`` of them from ``expert_starts``.
+    NOTE: two scalar loads, not a sum over the block's sorted entries: with that sum (a block-wide reduction) before
+    them, ptxas serialized the wgmma of gemm1's two tiles at blocks of 64 on 4 warps (C7515; compile_report.py under
+    Triton 3.6, MXFP4 in the MMA layout, Qwen3-30B-A3B M = 1024: "SERIALIZED", 164 registers; with these loads
+    pipelined, 213 registers)."""
+    return tl.load(counts_ptr + expert) - (row0 - tl.load(starts_ptr + expert))
 
 
 @triton.jit
@@ -459,7 +464,7 @@ def gemm1_sorted_kernel(
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
-    if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, BLOCK_M) <= TAIL_M:
+    if TAIL_M > 0 and _rows_from(counts_ptr, starts_ptr, expert, row0) <= TAIL_M:
         _gemm1_block(x_ptr, xs_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr, os_ptr, gw_ptr, sorted_ptr,
                      expert, row0, pid_n * BLOCK_N, P, topk, N_OUT, N_HALF, K, has_bias, router_on_input,
                      stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
@@ -621,7 +626,7 @@ def gemm2_sorted_kernel(
         if PDL:
             tl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=tl.int32, is_pure=False,
                                       pack=1)
-    if TAIL_M > 0 and _valid_rows(sorted_ptr, row0, P, ROWS) <= TAIL_M:
+    if TAIL_M > 0 and _rows_from(counts_ptr, starts_ptr, expert, row0) <= TAIL_M:
         _gemm2_block(a_ptr, as_ptr, a_tail_desc, w_ptr, w_desc, ws_ptr, bias_ptr, y_ptr, gw_ptr, sorted_ptr, expert,
                      row0, pid_n * BLOCK_N, split, P, topk, N_OUT, K, k_per_split, has_bias, apply_weight,
                      stride_am, stride_aj, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se,
