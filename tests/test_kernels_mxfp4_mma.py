@@ -357,8 +357,8 @@ def test_heuristic_tiles_are_admitted(M):
 # num_warps, tail_m)
 LAYER_TILES = {
     (128, 4, 2880, 2880, 1024): (64, (64, 4, 3, 0, True, 168), (256, 8, 32)),  # gpt-oss-120b: 32 rows per expert
-    (8, 2, 4096, 14336, 256): (64, (64, 4, 3, 0, True, 168), (256, 8, 32)),  # Mixtral-8x7B: 64 rows
-    (64, 6, 2048, 1408, 512): (64, (64, 4, 3, 0, True, 168), (256, 8, 32)),  # DeepSeek-V2-Lite: 48 rows
+    (8, 2, 4096, 14336, 256): (64, (64, 4, 3, 16, True, 168), (256, 8, 32)),  # Mixtral-8x7B: 64 rows
+    (64, 6, 2048, 1408, 512): (64, (64, 4, 3, 16, True, 168), (256, 8, 32)),  # DeepSeek-V2-Lite: 48 rows
     (128, 8, 2048, 768, 1024): (64, (64, 4, 3, 16, False, 0), (128, 4, 0)),  # Qwen3-30B-A3B (N 768): 64 rows
     (32, 4, 2880, 2880, 4096): (128, (64, 4, 2, 16, True, 0), (128, 4, 16)),  # gpt-oss-20b: 512 rows
     (128, 8, 2048, 768, 512): (32, (64, 4, 4, 0, False, 0), (128, 4, 0)),  # Qwen3-30B-A3B (N 768): 32 rows
@@ -368,11 +368,11 @@ LAYER_TILES = {
 
 @pytest.mark.parametrize("shape", list(LAYER_TILES))
 def test_heuristic_widens_tiles_of_large_layers(shape):
-    """From N = MXFP4_MMA_WIDE_N on, the sorted tiles widen: 16-40 rows per expert run as one block of 64, and blocks
-    of 64 run gemm1 with TMA rows and no tail tile (with one ptxas serializes its wgmma), capped at three programs'
-    registers per SM, gemm2 256 columns on 8 warps with a 32-row tail; blocks of 128 run gemm1 on TMA rows in 2
-    stages (two programs per SM, MXFP4_MMA_WIDE_GEMM1_STAGES); a smaller layer keeps blocks of 32, gemm1's tail tile
-    at blocks of 64, 3 stages at blocks of 128 and 128-row tiles on 4 warps, uncapped. Tiles admitted unchanged."""
+    """From N = MXFP4_MMA_WIDE_N on, the sorted tiles widen: 16-40 rows per expert run as one block of 64 (gemm1
+    without a tail tile), blocks of 64 run gemm1 with TMA rows, capped at three programs' registers per SM, gemm2 256
+    columns on 8 warps with a 32-row tail; blocks of 128 run gemm1 on TMA rows in 2 stages (two programs per SM,
+    MXFP4_MMA_WIDE_GEMM1_STAGES); a smaller layer keeps blocks of 32, 3 stages at blocks of 128 and 128-row tiles on
+    4 warps, uncapped. Tiles admitted unchanged."""
     E, topk, K, N, M = shape
     raw = configs.heuristic_config(M, E, N, K, topk, torch.bfloat16, True, True, 132, "mxfp4_mma")
     assert configs.sanitize(raw, torch.bfloat16, N, K, topk, "mxfp4_mma") == raw

@@ -540,24 +540,21 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     if N >= MXFP4_MMA_WIDE_N and block_m >= 64:
         # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 keep gemm1's tile of 128 weight rows on
         # 4 warps in 2 stages (two programs per SM: MXFP4_MMA_WIDE_GEMM1_STAGES), blocks of 64 keep it in 3,
-        # capped at three programs' registers per SM (MXFP4_MMA_GEMM1_REGISTERS) and without a tail tile, and give
-        # gemm2 256 output columns on 8 warps with a 32-row tail tile (MXFP4_MMA_WIDE_N).
-        # NOTE: gemm1 at blocks of 64 on 4 warps with a tail tile (16 or 32 rows) in the same kernel has every wgmma
-        # wait for the one before (ptxas C7515: "non wgmma instructions defining accumulator registers of a wgmma
-        # between start and end of the pipeline stage"; either tile alone is pipelined: compile_report.py under
-        # Triton 3.6). H200, whole op, CUDA-graph medians of 7 interleaved rounds, outputs bitwise equal, without
-        # against with its 16-row tail: gpt-oss-20b M 384 (48 rows per expert) 239.5 against 255.8 us, M 512 333.6
-        # against 336.8, DeepSeek-V2-Lite's M 512 182.4 against 194.9, Qwen2-57B-A14B TP 2 M 512 368.2 against
-        # 382.3, the Mixtral-8x7B shape M 256 568.7 against 573.1, Phi-3.5-MoE's M 512 491.1 against 490.2,
-        # gpt-oss-120b M 2048 1383.3 against 1364.1 in a wide spread, level in a second run (1372.4 against 1373.8;
-        # its gemm1 733.1 against 766.7 eager) (benchmarks/results/ab_mxfp4_gemm1_tail_h200.txt: ``python
-        # benchmarks/ab_fused_experts.py --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"tail_m":
-        # 16}}'``). Smaller layers keep the tail, serialized too (Qwen3-30B-A3B's N 768, M 1024: 288.2 with it, 301.1
-        # without, 293.6 without and capped at 168 registers; Qwen3-Next TP 2's N 256, M 4096: 687.9, 709.3, 694.2).
+        # capped at three programs' registers per SM (MXFP4_MMA_GEMM1_REGISTERS), and give gemm2 256 output
+        # columns on 8 warps with a 32-row tail tile (MXFP4_MMA_WIDE_N).
+        # NOTE: gemm1's 16-row tail tile at blocks of 64 (where one block does not hold most experts' rows): H200,
+        # whole op, CUDA-graph medians of 7 interleaved rounds, outputs bitwise equal, with against without it:
+        # gpt-oss-120b M 2048 (64 rows per expert) 1261.7 against 1328.3 us, Qwen2-57B-A14B TP 2 M 512 357.7 against
+        # 371.0, the Mixtral-8x7B shape M 256 533.3 against 547.2, level at 48 rows (gpt-oss-20b M 384 242.3 against
+        # 242.1, DeepSeek-V2-Lite's M 512 182.2 against 180.8) and in the one-block cells, which run without it
+        # (gpt-oss-20b M 256 226.1 against 226.0, gpt-oss-120b M 1024 883.5 against 884.2)
+        # (benchmarks/results/ab_mxfp4_gemm1_tail_h200.txt, runs 3 and 4: ``python benchmarks/ab_fused_experts.py
+        # --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"tail_m": 0}}'``). Before the tail test
+        # read the expert's count (``_grouped_gemm._rows_from``) the tail serialized the kernel's wgmma and lost.
         if wide:
             g1 = dataclasses.replace(g1, num_stages=MXFP4_MMA_WIDE_GEMM1_STAGES, tma_a=True, tail_m=16)
         else:
-            g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS, tail_m=0)
+            g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS)
             g2 = dataclasses.replace(g2, block_n=256, num_warps=8, tma_a=True, tail_m=32)
     return g1, g2
 
