@@ -96,8 +96,9 @@ def test_cuda_graph_replays_match_eager(op, M):
 def _admitted_tiles():
     """One config per tile shape that ``mxfp4_mma_tiles`` admits (each as sanitize leaves it): gemm1 of 64 or 128
     columns (128 / 256 fused rows) on 4 or 8 warps, gemm2 of 128 or 256 rows on 4 or 8 warps, split or not; in the
-    sorted schedule and in the direct one (both reductions split or not); and the heuristic's tiles of large layers
-    (``MXFP4_MMA_WIDE_N``: TMA rows, tail tiles, gemm1's register cap and 2 stages)."""
+    sorted schedule and in the direct one (both reductions split or not); and the heuristic's tiles of one-block cells
+    (``MXFP4_MMA_ONE_BLOCK_TAIL``) and of large layers (``MXFP4_MMA_WIDE_N``: TMA rows, tail tiles, gemm1's register
+    cap and 2 stages)."""
     g1s = [GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3), GemmConfig(128, 128, 8, 3)]
     g2s = [GemmConfig(128, 128, 4, 3), GemmConfig(256, 128, 4, 3), GemmConfig(256, 128, 8, 3),
            GemmConfig(128, 128, 4, 3, split_k=2)]
@@ -105,8 +106,10 @@ def _admitted_tiles():
               (GemmConfig(64, 128, 4, 4, group_m=0, split_k=3), GemmConfig(128, 128, 4, 4, group_m=0, split_k=2)),
               (GemmConfig(128, 128, 8, 3, group_m=0, split_k=2), GemmConfig(256, 128, 8, 3, group_m=0, split_k=2)),
               (GemmConfig(128, 128, 4, 3, group_m=0, split_k=4), GemmConfig(256, 128, 4, 3, group_m=0, split_k=2))]
-    large = [MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, max_registers=168),
+    large = [MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=32, max_registers=168),
                        GemmConfig(256, 128, 8, 3, tma_a=True, tail_m=32)),
+             MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=32, max_registers=168),
+                       GemmConfig(128, 128, 4, 3, tma_a=True, tail_m=32)),
              MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=16, max_registers=168),
                        GemmConfig(256, 128, 8, 3, tma_a=True, tail_m=32)),
              MoeConfig("sorted", 128, GemmConfig(64, 128, 4, 2, group_m=0, tma_a=True, tail_m=16),

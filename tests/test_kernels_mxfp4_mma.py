@@ -356,23 +356,26 @@ def test_heuristic_tiles_are_admitted(M):
 # (E, topk, K, N, M): block_m, gemm1 (block_n, num_warps, num_stages, tail_m, tma_a, max_registers), gemm2 (block_n,
 # num_warps, tail_m)
 LAYER_TILES = {
-    (128, 4, 2880, 2880, 1024): (64, (64, 4, 3, 0, True, 168), (256, 8, 32)),  # gpt-oss-120b: 32 rows per expert
+    (128, 4, 2880, 2880, 1024): (64, (64, 4, 3, 32, True, 168), (256, 8, 32)),  # gpt-oss-120b: 32 rows per expert
+    (32, 4, 2880, 2880, 192): (64, (64, 4, 3, 32, True, 168), (256, 8, 32)),  # gpt-oss-20b: 24 rows
     (8, 2, 4096, 14336, 256): (64, (64, 4, 3, 16, True, 168), (256, 8, 32)),  # Mixtral-8x7B: 64 rows
     (64, 6, 2048, 1408, 512): (64, (64, 4, 3, 16, True, 168), (256, 8, 32)),  # DeepSeek-V2-Lite: 48 rows
     (128, 8, 2048, 768, 1024): (64, (64, 4, 3, 16, False, 0), (128, 4, 0)),  # Qwen3-30B-A3B (N 768): 64 rows
     (32, 4, 2880, 2880, 4096): (128, (64, 4, 2, 16, True, 0), (128, 4, 16)),  # gpt-oss-20b: 512 rows
-    (128, 8, 2048, 768, 512): (32, (64, 4, 4, 0, False, 0), (128, 4, 0)),  # Qwen3-30B-A3B (N 768): 32 rows
+    (128, 8, 2048, 768, 512): (64, (64, 4, 3, 32, True, 168), (128, 4, 32)),  # Qwen3-30B-A3B (N 768): 32 rows
+    (128, 8, 4096, 384, 512): (64, (64, 4, 3, 32, True, 168), (128, 4, 32)),  # Qwen3-235B-A22B TP 4: 32 rows
     (128, 8, 2048, 768, 4096): (128, (64, 4, 3, 32, False, 0), (128, 4, 16)),  # Qwen3-30B-A3B: 256 rows
 }
 
 
 @pytest.mark.parametrize("shape", list(LAYER_TILES))
 def test_heuristic_widens_tiles_of_large_layers(shape):
-    """From N = MXFP4_MMA_WIDE_N on, the sorted tiles widen: 16-40 rows per expert run as one block of 64 (gemm1
-    without a tail tile), blocks of 64 run gemm1 with TMA rows, capped at three programs' registers per SM, gemm2 256
+    """16-40 rows per expert run as one block of 64 whose GEMMs take 32-row tails (MXFP4_MMA_ONE_BLOCK_TAIL), gemm1
+    with TMA rows, capped at three programs' registers per SM. From N = MXFP4_MMA_WIDE_N on, the sorted tiles widen:
+    blocks of 64 run gemm1 so (with a 16-row tail where an expert's rows fill more than one block), gemm2 256
     columns on 8 warps with a 32-row tail; blocks of 128 run gemm1 on TMA rows in 2 stages (two programs per SM,
-    MXFP4_MMA_WIDE_GEMM1_STAGES); a smaller layer keeps blocks of 32, 3 stages at blocks of 128 and 128-row tiles on
-    4 warps, uncapped. Tiles admitted unchanged."""
+    MXFP4_MMA_WIDE_GEMM1_STAGES); a smaller layer keeps 3 stages at blocks of 128 and 128-row tiles on 4 warps, and
+    outside the one-block cells gemm1 on pointer loads, uncapped. Tiles admitted unchanged."""
     E, topk, K, N, M = shape
     raw = configs.heuristic_config(M, E, N, K, topk, torch.bfloat16, True, True, 132, "mxfp4_mma")
     assert configs.sanitize(raw, torch.bfloat16, N, K, topk, "mxfp4_mma") == raw
@@ -380,7 +383,8 @@ def test_heuristic_widens_tiles_of_large_layers(shape):
     got = (raw.block_m, (g1.block_n, g1.num_warps, g1.num_stages, g1.tail_m, g1.tma_a, g1.max_registers),
            (g2.block_n, g2.num_warps, g2.tail_m))
     assert raw.path == "sorted" and got == LAYER_TILES[shape]
-    assert (N >= configs.MXFP4_MMA_WIDE_N) == (g1.tma_a or g2.block_n == 256)
+    one_block = g1.tail_m == configs.MXFP4_MMA_ONE_BLOCK_TAIL == g2.tail_m and raw.block_m == 64
+    assert (N >= configs.MXFP4_MMA_WIDE_N) == (g2.block_n == 256 or (g1.tma_a and not one_block))
 
 
 @interpreted

@@ -273,10 +273,10 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
         # 16-bit weights: see dense_sorted_tiles.
         block_m = 128
-    one_block = quant == "mxfp4_mma" and block_m == 32 and N >= MXFP4_MMA_WIDE_N
+    one_block = quant == "mxfp4_mma" and block_m == 32
     if one_block:
-        # one block for most experts rather than two (each decodes the expert's weights), without gemm1's tail
-        # tile, which would split that block (MXFP4_MMA_WIDE_N)
+        # one block for most experts rather than two (each decodes the expert's weights), with 32-row tail tiles
+        # for the experts that fill half of it (MXFP4_MMA_ONE_BLOCK)
         block_m = 64
     big = block_m >= 128
     # NOTE: gemm1 tiles cover 2 * block_n weight rows (gate + up); block_k 64 keeps 4 stages in smem.
@@ -284,7 +284,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
     # for it paid on an H200 with these tiles: qwen3 M = 4096 (block_m 128) 663 -> 517 us, mixtral
     # M = 1024 1301 -> 1090 us, qwen3 M = 1024 (block_m 64, tail 16) 303 -> 236 us. gemm2 gained < 3%.
     g1 = GemmConfig(block_n=64, block_k=64, num_warps=8 if big else 4, num_stages=4, group_m=8,
-                    tail_m=block_m // 4 if block_m >= 64 and not one_block else 0)
+                    tail_m=block_m // 4 if block_m >= 64 else 0)
     bn2 = 64 if block_m <= 32 else 128
     bk2 = 128 if block_m < 64 and N % 128 == 0 else 64
     # NOTE: gemm2's A operand is the sorted intermediate (contiguous rows per block): TMA loads of it cut
@@ -369,7 +369,7 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
             # (benchmarks/results/ab_fp8_gemm2_row_tiles_h100.txt).
             g2 = dataclasses.replace(g2, num_warps=4, tile_m=64)
     if quant == "mxfp4_mma":
-        g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2, blocks, K, N, num_sms)
+        g1, g2 = mxfp4_mma_heuristic(block_m, g1, g2, blocks, K, N, num_sms, one_block)
     return MoeConfig("sorted", block_m, g1, g2)
 
 
@@ -471,13 +471,10 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
 # the large layers': blocks of 128 with gemm1 on TMA rows (then on 256 weight rows and 8 warps; its tile now is
 # MXFP4_MMA_WIDE_GEMM1_STAGES's, measured against that one): gpt-oss-120b M 4096 2110 -> 2018 us, gpt-oss-20b
 # M 1024 526 -> 515, the Mixtral-8x7B shape (N 14336) M 1024 1583 -> 1484, DeepSeek-V2-Lite's (N 1408) M 2048
-# 599 -> 591, but Qwen3-30B-A3B's (N 768) M 4096 801 -> 841. 16-40 rows per expert in one block of 64 instead of two
-# of 32 (gemm1 with TMA rows and no tail tile, gemm2 256 columns on 8 warps with a 32-row tail): gpt-oss-120b M 1024
-# 983 -> 922, gpt-oss-20b M 256 252 -> 236, at Qwen3's N 768 no gain (M 512: 212 -> 213). Without gemm1's TMA rows,
-# gemm2's tail or the block of 64 (gemm2's tiles alone) slower: 985, 965 and 1007 us at 120b M 1024; with gemm1's
-# 16-row tail tile 243 us at 20b M 256. The same gemm2 at 64 rows per expert: Mixtral M 256 566 -> 561, Qwen3 M 1024
-# 288 -> 304. (benchmarks/results/ab_mxfp4_large_layers_h200.txt: ``python benchmarks/ab_fused_experts.py --quant
-# mxfp4_mma --model MODEL --tokens M --variant ...``.)
+# 599 -> 591, but Qwen3-30B-A3B's (N 768) M 4096 801 -> 841. The large layers' gemm2 at 64 rows per expert (256
+# columns on 8 warps with a 32-row tail): Mixtral M 256 566 -> 561, Qwen3 M 1024 288 -> 304.
+# (benchmarks/results/ab_mxfp4_large_layers_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma
+# --model MODEL --tokens M --variant ...``.)
 MXFP4_MMA_WIDE_N = 1024
 
 # The large layers' gemm1 at blocks of 128 (``mxfp4_mma_heuristic``): 128 weight rows (64 columns of gate and up) on 4
@@ -514,9 +511,25 @@ MXFP4_MMA_WIDE_GEMM1_STAGES = 2
 # 168}}'``.)
 MXFP4_MMA_GEMM1_REGISTERS = 168
 
+# Tail tile of both GEMMs where 16-40 rows per expert run as one block of 64 (``mxfp4_mma_heuristic``): an expert with
+# at most 32 rows (about half of them at 32 rows per expert) runs a 32-token MMA instead of 64.
+# NOTE: one block of 64 instead of two of 32 (each decodes the expert's weights; gemm1 with TMA rows, no tail tile,
+# gemm2 256 columns on 8 warps with a 32-row tail), H200, CUDA-graph medians of 5 interleaved rounds: gpt-oss-120b M
+# 1024 983 -> 922 us, gpt-oss-20b M 256 252 -> 236; without gemm1's TMA rows, gemm2's tail or the block of 64 (gemm2's
+# tiles alone) slower: 985, 965 and 1007 us at 120b M 1024; gemm1 with a 16-row tail 243 us at 20b M 256
+# (benchmarks/results/ab_mxfp4_large_layers_h200.txt). Then gemm1's 32-row tail, outputs bitwise equal: gpt-oss-20b
+# M 256 228.0 -> 217.3, M 192 (24 rows) 216.0 -> 197.6, gpt-oss-120b M 1024 889.5 -> 863.1, DeepSeek-V2-Lite M 256
+# 163.5 -> 149.8, Llama-4-Scout M 512 523.9 -> 508.6, Qwen2-57B-A14B TP 2 M 256 256.8 -> 247.1, Phi-3.5-MoE M 256
+# 318.9 -> 306.2, DBRX TP 8 M 128 127.0 -> 125.0; level at 40 rows (gpt-oss-20b M 320 232.5 -> 232.1). Where an
+# expert's second block is its tail (48-64 rows per expert) the 16-row tail stays: a 32-row one was level or slower
+# (gpt-oss-120b M 2048 1284.8 -> 1311.3, Qwen3-30B-A3B M 1024 283.3 -> 291.8)
+# (benchmarks/results/ab_mxfp4_one_block_tail_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma
+# --model MODEL --tokens M --variant '{"gemm1": {"tail_m": 32}}'``).
+MXFP4_MMA_ONE_BLOCK_TAIL = 32
+
 
 def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: float, K: int, N: int,
-                        num_sms: int) -> tuple[GemmConfig, GemmConfig]:
+                        num_sms: int, one_block: bool = False) -> tuple[GemmConfig, GemmConfig]:
     """MXFP4 in the MMA layout (tensor-core steps only; the weight tile is the MMA's M, the block's tokens its N);
     ``blocks``: the expected row blocks of the sorted schedule.
     NOTE: 128 weight rows on 4 warps per tile in both GEMMs (the fused gemm1's 64 columns of gate and up;
@@ -525,7 +538,8 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with tail tiles (gemm1 32 rows, 16 in large
     layers; gemm2 16) and pointer loads of gemm2's rows (H100, 120b M 4096: 2246 us against 2902 for blocks of
     64; 20b M 1024: 594 against 768; gemm2 with TMA rows 887 against 698 us at 20b M 4096). Layers from N =
-    MXFP4_MMA_WIDE_N on take wider tiles from blocks of 64 on (see there)."""
+    MXFP4_MMA_WIDE_N on take wider tiles from blocks of 64 on (see there). ``one_block``: 16-40 rows per expert
+    in one block of 64 (``heuristic_config``), both GEMMs with MXFP4_MMA_ONE_BLOCK_TAIL-row tail tiles."""
     bn1, bn2 = 64, 128
     # Few row blocks (decode): gemm2 splits its reduction until there are two tiles per SM.
     split = 1
@@ -537,6 +551,11 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
                              tma_a=False, group_m=0, tail_m=32 if wide else g1.tail_m)
     g2 = dataclasses.replace(g2, block_n=bn2, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
                              split_k=split, tail_m=16 if wide else g2.tail_m, tma_a=g2.tma_a and not wide)
+    if one_block:
+        # gemm1 as the large layers' at blocks of 64 (below), with MXFP4_MMA_ONE_BLOCK_TAIL-row tails in both GEMMs.
+        g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS,
+                                 tail_m=MXFP4_MMA_ONE_BLOCK_TAIL)
+        g2 = dataclasses.replace(g2, tma_a=True, tail_m=MXFP4_MMA_ONE_BLOCK_TAIL)
     if N >= MXFP4_MMA_WIDE_N and block_m >= 64:
         # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 keep gemm1's tile of 128 weight rows on
         # 4 warps in 2 stages (two programs per SM: MXFP4_MMA_WIDE_GEMM1_STAGES), blocks of 64 keep it in 3,
@@ -546,8 +565,8 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
         # whole op, CUDA-graph medians of 7 interleaved rounds, outputs bitwise equal, with against without it:
         # gpt-oss-120b M 2048 (64 rows per expert) 1261.7 against 1328.3 us, Qwen2-57B-A14B TP 2 M 512 357.7 against
         # 371.0, the Mixtral-8x7B shape M 256 533.3 against 547.2, level at 48 rows (gpt-oss-20b M 384 242.3 against
-        # 242.1, DeepSeek-V2-Lite's M 512 182.2 against 180.8) and in the one-block cells, which run without it
-        # (gpt-oss-20b M 256 226.1 against 226.0, gpt-oss-120b M 1024 883.5 against 884.2)
+        # 242.1, DeepSeek-V2-Lite's M 512 182.2 against 180.8) and in the one-block cells (gpt-oss-20b M 256 226.1
+        # against 226.0, gpt-oss-120b M 1024 883.5 against 884.2; they run MXFP4_MMA_ONE_BLOCK_TAIL's 32 rows)
         # (benchmarks/results/ab_mxfp4_gemm1_tail_h200.txt, runs 3 and 4: ``python benchmarks/ab_fused_experts.py
         # --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"tail_m": 0}}'``). Before the tail test
         # read the expert's count (``_grouped_gemm._rows_from``) the tail serialized the kernel's wgmma and lost.
