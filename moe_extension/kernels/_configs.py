@@ -273,10 +273,10 @@ def heuristic_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.dty
         # MXFP4 MMA layout: the block's tokens are the MMA's N, a wider N amortizes the decode (mxfp4_mma_heuristic).
         # 16-bit weights: see dense_sorted_tiles.
         block_m = 128
-    one_block = quant == "mxfp4_mma" and block_m == 32
+    one_block = quant == "mxfp4_mma" and block_m == 32 and rows > MXFP4_MMA_ONE_BLOCK_ROWS
     if one_block:
         # one block for most experts rather than two (each decodes the expert's weights), with 32-row tail tiles
-        # for the experts that fill half of it (MXFP4_MMA_ONE_BLOCK)
+        # for the experts that fill half of it (MXFP4_MMA_ONE_BLOCK_ROWS)
         block_m = 64
     big = block_m >= 128
     # NOTE: gemm1 tiles cover 2 * block_n weight rows (gate + up); block_k 64 keeps 4 stages in smem.
@@ -511,20 +511,30 @@ MXFP4_MMA_WIDE_GEMM1_STAGES = 2
 # 168}}'``.)
 MXFP4_MMA_GEMM1_REGISTERS = 168
 
-# Tail tile of both GEMMs where 16-40 rows per expert run as one block of 64 (``mxfp4_mma_heuristic``): an expert with
-# at most 32 rows (about half of them at 32 rows per expert) runs a 32-token MMA instead of 64.
-# NOTE: one block of 64 instead of two of 32 (each decodes the expert's weights; gemm1 with TMA rows, no tail tile,
-# gemm2 256 columns on 8 warps with a 32-row tail), H200, CUDA-graph medians of 5 interleaved rounds: gpt-oss-120b M
-# 1024 983 -> 922 us, gpt-oss-20b M 256 252 -> 236; without gemm1's TMA rows, gemm2's tail or the block of 64 (gemm2's
-# tiles alone) slower: 985, 965 and 1007 us at 120b M 1024; gemm1 with a 16-row tail 243 us at 20b M 256
-# (benchmarks/results/ab_mxfp4_large_layers_h200.txt). Then gemm1's 32-row tail, outputs bitwise equal: gpt-oss-20b
-# M 256 228.0 -> 217.3, M 192 (24 rows) 216.0 -> 197.6, gpt-oss-120b M 1024 889.5 -> 863.1, DeepSeek-V2-Lite M 256
-# 163.5 -> 149.8, Llama-4-Scout M 512 523.9 -> 508.6, Qwen2-57B-A14B TP 2 M 256 256.8 -> 247.1, Phi-3.5-MoE M 256
-# 318.9 -> 306.2, DBRX TP 8 M 128 127.0 -> 125.0; level at 40 rows (gpt-oss-20b M 320 232.5 -> 232.1). Where an
-# expert's second block is its tail (48-64 rows per expert) the 16-row tail stays: a 32-row one was level or slower
-# (gpt-oss-120b M 2048 1284.8 -> 1311.3, Qwen3-30B-A3B M 1024 283.3 -> 291.8)
+# Expected rows per expert above which (up to 40) the MXFP4 MMA-layout heuristic runs an expert's rows as one block of
+# 64 instead of blocks of 32 (``heuristic_config``; each block decodes the expert's weights, and at 32 rows per expert
+# about half the experts would spill into a second block of 32), with tail tiles of MXFP4_MMA_ONE_BLOCK_TAIL rows in
+# both GEMMs: an expert with at most 32 rows runs a 32-token MMA instead of 64 (``mxfp4_mma_heuristic``).
+# NOTE: one block of 64 instead of two of 32 (gemm1 with TMA rows, no tail tile, gemm2 256 columns on 8 warps with a
+# 32-row tail), H200, CUDA-graph medians of 5 interleaved rounds: gpt-oss-120b M 1024 983 -> 922 us, gpt-oss-20b M 256
+# 252 -> 236; without gemm1's TMA rows, gemm2's tail or the block of 64 (gemm2's tiles alone) slower: 985, 965 and 1007
+# us at 120b M 1024; gemm1 with a 16-row tail 243 us at 20b M 256 (benchmarks/results/ab_mxfp4_large_layers_h200.txt).
+# Then gemm1's 32-row tail, outputs bitwise equal: gpt-oss-20b M 256 228.0 -> 217.3, gpt-oss-120b M 1024 889.5 -> 863.1,
+# DeepSeek-V2-Lite M 256 163.5 -> 149.8, Llama-4-Scout M 512 523.9 -> 508.6, Qwen2-57B-A14B TP 2 M 256 256.8 -> 247.1,
+# Phi-3.5-MoE M 256 318.9 -> 306.2, DBRX TP 8 M 128 127.0 -> 125.0; level at 40 rows (gpt-oss-20b M 320 232.5 -> 232.1).
+# Where an expert's second block is its tail (48-64 rows per expert) the 16-row tail stays: a 32-row one was level or
+# slower (gpt-oss-120b M 2048 1284.8 -> 1311.3, Qwen3-30B-A3B M 1024 283.3 -> 291.8). Layers below MXFP4_MMA_WIDE_N, one
+# block of 64 with these tails against blocks of 32 at 32 rows: Qwen3-30B-A3B M 512 186.0 against 214.0, Qwen3-235B-A22B
+# TP 4 M 512 226.2 against 250.4, DeepSeek-V3 TP 4 M 1024 896.3 against 1008.1 (in 4 stages, uncapped: 193.8, 227.8,
+# 909.7).
+# NOTE: the crossover lies between 24 and 28 rows: one block against blocks of 32 at 20 / 24 / 28 rows, gpt-oss-20b
+# (M 160 / 192 / 224) 194.3 / 199.3 / 210.4 against 179.4 / 195.1 / 215.4, Qwen3-30B-A3B (M 320 / 384 / 448) 169.3 /
+# 171.3 / 177.7 against 156.0 / 166.0 / 187.9, gpt-oss-120b M 640 (20 rows) 760.9 against 736.2; qwen3-next-80b-a3b TP 2
+# (E 512, N 256, whose gathered row copy holds 64 rows per expert) favours blocks of 32 up to 28 rows at least (M 1024 /
+# 1229 / 1434: 330.6 / 341.7 / 354.8 against 291.6 / 311.0 / 342.7)
 # (benchmarks/results/ab_mxfp4_one_block_tail_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma
-# --model MODEL --tokens M --variant '{"gemm1": {"tail_m": 32}}'``).
+# --model MODEL --tokens M --variant '{"gemm1": {"tail_m": 32}}'`` and the other variants in the file).
+MXFP4_MMA_ONE_BLOCK_ROWS = 26
 MXFP4_MMA_ONE_BLOCK_TAIL = 32
 
 
@@ -538,8 +548,8 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     mxfp4_mma``). From 96 rows per expert, blocks of 128 tokens with tail tiles (gemm1 32 rows, 16 in large
     layers; gemm2 16) and pointer loads of gemm2's rows (H100, 120b M 4096: 2246 us against 2902 for blocks of
     64; 20b M 1024: 594 against 768; gemm2 with TMA rows 887 against 698 us at 20b M 4096). Layers from N =
-    MXFP4_MMA_WIDE_N on take wider tiles from blocks of 64 on (see there). ``one_block``: 16-40 rows per expert
-    in one block of 64 (``heuristic_config``), both GEMMs with MXFP4_MMA_ONE_BLOCK_TAIL-row tail tiles."""
+    MXFP4_MMA_WIDE_N on take wider tiles from blocks of 64 on (see there). ``one_block``: an expert's rows in one
+    block of 64 (MXFP4_MMA_ONE_BLOCK_ROWS), both GEMMs with MXFP4_MMA_ONE_BLOCK_TAIL-row tail tiles."""
     bn1, bn2 = 64, 128
     # Few row blocks (decode): gemm2 splits its reduction until there are two tiles per SM.
     split = 1
