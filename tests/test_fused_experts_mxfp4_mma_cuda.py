@@ -107,8 +107,6 @@ def _admitted_tiles():
               (GemmConfig(128, 128, 8, 3, group_m=0, split_k=2), GemmConfig(256, 128, 8, 3, group_m=0, split_k=2)),
               (GemmConfig(128, 128, 4, 3, group_m=0, split_k=4), GemmConfig(256, 128, 4, 3, group_m=0, split_k=2))]
     large = [MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=32, max_registers=168),
-                       GemmConfig(256, 128, 8, 3, tma_a=True, tail_m=32)),
-             MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=32, max_registers=168),
                        GemmConfig(128, 128, 4, 3, tma_a=True, tail_m=32)),
              MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=16, max_registers=168),
                        GemmConfig(256, 128, 8, 3, tma_a=True, tail_m=32)),

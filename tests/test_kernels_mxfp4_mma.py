@@ -356,8 +356,8 @@ def test_heuristic_tiles_are_admitted(M):
 # (E, topk, K, N, M): block_m, gemm1 (block_n, num_warps, num_stages, tail_m, tma_a, max_registers), gemm2 (block_n,
 # num_warps, tail_m)
 LAYER_TILES = {
-    (128, 4, 2880, 2880, 1024): (64, (64, 4, 3, 32, True, 168), (256, 8, 32)),  # gpt-oss-120b: 32 rows per expert
-    (32, 4, 2880, 2880, 224): (64, (64, 4, 3, 32, True, 168), (256, 8, 32)),  # gpt-oss-20b: 28 rows
+    (128, 4, 2880, 2880, 1024): (64, (64, 4, 3, 32, True, 168), (128, 4, 32)),  # gpt-oss-120b: 32 rows per expert
+    (32, 4, 2880, 2880, 224): (64, (64, 4, 3, 32, True, 168), (128, 4, 32)),  # gpt-oss-20b: 28 rows
     (32, 4, 2880, 2880, 192): (32, (64, 4, 4, 0, False, 0), (128, 4, 0)),  # gpt-oss-20b: 24 rows
     (8, 2, 4096, 14336, 256): (64, (64, 4, 3, 16, True, 168), (256, 8, 32)),  # Mixtral-8x7B: 64 rows
     (64, 6, 2048, 1408, 512): (64, (64, 4, 3, 16, True, 168), (256, 8, 32)),  # DeepSeek-V2-Lite: 48 rows
@@ -372,12 +372,12 @@ LAYER_TILES = {
 @pytest.mark.parametrize("shape", list(LAYER_TILES))
 def test_heuristic_widens_tiles_of_large_layers(shape):
     """27-40 rows per expert (MXFP4_MMA_ONE_BLOCK_ROWS) run as one block of 64 whose GEMMs take 32-row tails
-    (MXFP4_MMA_ONE_BLOCK_TAIL), gemm1 with TMA rows, capped at three programs' registers per SM; fewer rows run blocks
-    of 32. From N = MXFP4_MMA_WIDE_N on, the sorted tiles widen:
-    blocks of 64 run gemm1 so (with a 16-row tail where an expert's rows fill more than one block), gemm2 256
-    columns on 8 warps with a 32-row tail; blocks of 128 run gemm1 on TMA rows in 2 stages (two programs per SM,
-    MXFP4_MMA_WIDE_GEMM1_STAGES); a smaller layer keeps 3 stages at blocks of 128 and 128-row tiles on 4 warps, and
-    outside the one-block cells gemm1 on pointer loads, uncapped. Tiles admitted unchanged."""
+    (MXFP4_MMA_ONE_BLOCK_TAIL), gemm1 with TMA rows, capped at three programs' registers per SM, gemm2 128 columns on
+    4 warps; fewer rows run blocks of 32. From N = MXFP4_MMA_WIDE_N on, the sorted tiles widen: other blocks of 64
+    run gemm1 so (with a 16-row tail), gemm2 256 columns on 8 warps with a 32-row tail; blocks of 128 run gemm1 on
+    TMA rows in 2 stages (two programs per SM, MXFP4_MMA_WIDE_GEMM1_STAGES); a smaller layer keeps 3 stages at blocks
+    of 128 and 128-row tiles on 4 warps, and outside the one-block cells gemm1 on pointer loads, uncapped. Tiles
+    admitted unchanged."""
     E, topk, K, N, M = shape
     raw = configs.heuristic_config(M, E, N, K, topk, torch.bfloat16, True, True, 132, "mxfp4_mma")
     assert configs.sanitize(raw, torch.bfloat16, N, K, topk, "mxfp4_mma") == raw
@@ -385,8 +385,10 @@ def test_heuristic_widens_tiles_of_large_layers(shape):
     got = (raw.block_m, (g1.block_n, g1.num_warps, g1.num_stages, g1.tail_m, g1.tma_a, g1.max_registers),
            (g2.block_n, g2.num_warps, g2.tail_m))
     assert raw.path == "sorted" and got == LAYER_TILES[shape]
-    one_block = g1.tail_m == configs.MXFP4_MMA_ONE_BLOCK_TAIL == g2.tail_m and raw.block_m == 64
-    assert (N >= configs.MXFP4_MMA_WIDE_N and raw.block_m >= 64) == (g2.block_n == 256 or (g1.tma_a and not one_block))
+    if g1.tail_m == configs.MXFP4_MMA_ONE_BLOCK_TAIL == g2.tail_m and raw.block_m == 64:  # one block: any N
+        assert g1.tma_a and g1.max_registers and (g2.block_n, g2.num_warps) == (128, 4)
+    else:
+        assert (N >= configs.MXFP4_MMA_WIDE_N and raw.block_m >= 64) == (g2.block_n == 256 or g1.tma_a)
 
 
 @interpreted
