@@ -109,7 +109,7 @@ def _admitted_tiles():
     large = [MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=32, max_registers=168),
                        GemmConfig(128, 128, 4, 3, tma_a=True, tail_m=32)),
              MoeConfig("sorted", 64, GemmConfig(64, 128, 4, 3, tma_a=True, tail_m=16, max_registers=168),
-                       GemmConfig(256, 128, 8, 3, tma_a=True, tail_m=32)),
+                       GemmConfig(128, 128, 4, 3, tma_a=True, tail_m=32)),
              MoeConfig("sorted", 128, GemmConfig(64, 128, 4, 2, group_m=0, tma_a=True, tail_m=16),
                        GemmConfig(128, 128, 4, 3, tail_m=16))]
     return ([MoeConfig("sorted", bm, g1, g2) for bm in (16, 64) for g1, g2 in zip(g1s + g1s[:1], g2s)]

@@ -471,10 +471,14 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
 # the large layers': blocks of 128 with gemm1 on TMA rows (then on 256 weight rows and 8 warps; its tile now is
 # MXFP4_MMA_WIDE_GEMM1_STAGES's, measured against that one): gpt-oss-120b M 4096 2110 -> 2018 us, gpt-oss-20b
 # M 1024 526 -> 515, the Mixtral-8x7B shape (N 14336) M 1024 1583 -> 1484, DeepSeek-V2-Lite's (N 1408) M 2048
-# 599 -> 591, but Qwen3-30B-A3B's (N 768) M 4096 801 -> 841. The large layers' gemm2 at 64 rows per expert (256
-# columns on 8 warps with a 32-row tail): Mixtral M 256 566 -> 561, Qwen3 M 1024 288 -> 304.
-# (benchmarks/results/ab_mxfp4_large_layers_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma
-# --model MODEL --tokens M --variant ...``.)
+# 599 -> 591, but Qwen3-30B-A3B's (N 768) M 4096 801 -> 841 (benchmarks/results/ab_mxfp4_large_layers_h200.txt:
+# ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma --model MODEL --tokens M --variant ...``).
+# NOTE: the large layers' gemm2 at blocks of 64, with a 32-row tail, in 128 columns on 4 warps (two programs per SM)
+# against 256 on 8 (one): gpt-oss-20b M 384 (48 rows per expert) 234.3 against 246.3 us, the Mixtral-8x7B shape M 256
+# 524.6 against 535.7, Qwen2-57B-A14B TP 2 M 512 343.8 against 354.2, gpt-oss-120b M 2048 1249.9 against 1272.7, and
+# in the one-block cells (MXFP4_MMA_ONE_BLOCK_ROWS) gpt-oss-20b M 256 203.1 against 217.4
+# (benchmarks/results/ab_mxfp4_one_block_tail_h200.txt, runs 5 and 6: ``python benchmarks/ab_fused_experts.py --quant
+# mxfp4_mma --model MODEL --tokens M --variant '{"gemm2": {"block_n": 256, "num_warps": 8}}'``).
 MXFP4_MMA_WIDE_N = 1024
 
 # The large layers' gemm1 at blocks of 128 (``mxfp4_mma_heuristic``): 128 weight rows (64 columns of gate and up) on 4
@@ -526,9 +530,8 @@ MXFP4_MMA_GEMM1_REGISTERS = 168
 # slower (gpt-oss-120b M 2048 1284.8 -> 1311.3, Qwen3-30B-A3B M 1024 283.3 -> 291.8). Layers below MXFP4_MMA_WIDE_N, one
 # block of 64 with these tails against blocks of 32 at 32 rows: Qwen3-30B-A3B M 512 186.0 against 214.0, Qwen3-235B-A22B
 # TP 4 M 512 226.2 against 250.4, DeepSeek-V3 TP 4 M 1024 896.3 against 1008.1 (in 4 stages, uncapped: 193.8, 227.8,
-# 909.7). gemm2 there in 128 columns on 4 warps (two programs per SM) rather than the large layers' 256 on 8 (one):
-# gpt-oss-20b M 256 202.6 against 216.5, gpt-oss-120b M 1024 817.1 against 845.5, Llama-4-Scout M 512 475.7 against
-# 494.3 (split in two or in 4 stages slower or level: 239.1, 904.3 / 218.4, 858.1).
+# 909.7). Their gemm2 split in two or in 4 stages: slower or level (gpt-oss-20b M 256 239.1 / 218.4 against 216.5,
+# gpt-oss-120b M 1024 904.3 / 858.1 against 845.5).
 # NOTE: the crossover lies between 24 and 28 rows: one block against blocks of 32 at 20 / 24 / 28 rows, gpt-oss-20b
 # (M 160 / 192 / 224) 194.3 / 199.3 / 210.4 against 179.4 / 195.1 / 215.4, Qwen3-30B-A3B (M 320 / 384 / 448) 169.3 /
 # 171.3 / 177.7 against 156.0 / 166.0 / 187.9, gpt-oss-120b M 640 (20 rows) 760.9 against 736.2; qwen3-next-80b-a3b TP 2
@@ -571,9 +574,8 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
     if N >= MXFP4_MMA_WIDE_N and block_m >= 64:
         # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 keep gemm1's tile of 128 weight rows on
         # 4 warps in 2 stages (two programs per SM: MXFP4_MMA_WIDE_GEMM1_STAGES), blocks of 64 keep it in 3,
-        # capped at three programs' registers per SM (MXFP4_MMA_GEMM1_REGISTERS), and give gemm2 256 output
-        # columns on 8 warps with a 32-row tail tile (MXFP4_MMA_WIDE_N) unless one block holds an expert's rows
-        # (MXFP4_MMA_ONE_BLOCK_ROWS: 128 columns on 4 warps, two programs per SM).
+        # capped at three programs' registers per SM (MXFP4_MMA_GEMM1_REGISTERS), and give gemm2 a 32-row tail tile
+        # (its 128 columns on 4 warps, two programs per SM: MXFP4_MMA_WIDE_N).
         # NOTE: gemm1's 16-row tail tile at blocks of 64 (where one block does not hold most experts' rows): H200,
         # whole op, CUDA-graph medians of 7 interleaved rounds, outputs bitwise equal, with against without it:
         # gpt-oss-120b M 2048 (64 rows per expert) 1261.7 against 1328.3 us, Qwen2-57B-A14B TP 2 M 512 357.7 against
@@ -587,8 +589,7 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
             g1 = dataclasses.replace(g1, num_stages=MXFP4_MMA_WIDE_GEMM1_STAGES, tma_a=True, tail_m=16)
         else:
             g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS)
-            if not one_block:
-                g2 = dataclasses.replace(g2, block_n=256, num_warps=8, tma_a=True, tail_m=32)
+            g2 = dataclasses.replace(g2, tma_a=True, tail_m=32)
     return g1, g2
 
 
