@@ -16,7 +16,7 @@ from tests.reference import (
     tolerance,
     topk_softmax_reference,
 )
-from tests.utils import DEVICES
+from tests.utils import DEVICES, rel_err
 
 QUANTS = ("none", "fp8_block", "mxfp4")
 SIZES = {"none": (48, 40), "fp8_block": (136, 72), "mxfp4": (64, 32)}
@@ -45,9 +45,14 @@ def test_matches_reference(device, quant, use_map, renormalize, topk, activation
     out = fused_moe(x, w1, w2, logits, topk, renormalize, activation, apply_router_weight_on_input=on_input,
                     **kwargs)
     assert out.shape == x.shape and out.dtype == x.dtype
+    # The routing fused_moe computes (topk_softmax) against its fp64 reference, then the experts against theirs from
+    # those fp32 weights: with apply_router_weight_on_input a quantized format rounds g * x, so a weight 1 ulp off
+    # its correctly rounded value (as fp32 softmax may be) can flip an fp8 rounding of the first GEMM's input.
+    weights, ids = topk_softmax(logits, topk, renormalize)
     ref_w, ref_ids = topk_softmax_reference(logits, topk, renormalize)
-    ref, bound = fused_experts_reference(x, w1, w2, ref_w.float(), ref_ids.int(), activation,
-                                         apply_router_weight_on_input=on_input, **kwargs, return_bound=True)
+    assert torch.equal(ids.long().cpu(), ref_ids) and rel_err(weights.cpu(), ref_w) <= 1e-6
+    ref, bound = fused_experts_reference(x, w1, w2, weights, ids, activation, apply_router_weight_on_input=on_input,
+                                         **kwargs, return_bound=True)
     assert_close(out, ref, tolerance(torch.float32, device, quant), bound)
 
 
