@@ -566,16 +566,10 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
                              tma_a=False, group_m=0, tail_m=32 if wide else g1.tail_m)
     g2 = dataclasses.replace(g2, block_n=bn2, block_k=128, num_warps=4, num_stages=stages, tma_weights=False,
                              split_k=split, tail_m=16 if wide else g2.tail_m, tma_a=g2.tma_a and not wide)
-    if one_block:
-        # gemm1 as the large layers' at blocks of 64 (below), with MXFP4_MMA_ONE_BLOCK_TAIL-row tails in both GEMMs.
-        g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS,
-                                 tail_m=MXFP4_MMA_ONE_BLOCK_TAIL)
-        g2 = dataclasses.replace(g2, tma_a=True, tail_m=MXFP4_MMA_ONE_BLOCK_TAIL)
-    if N >= MXFP4_MMA_WIDE_N and block_m >= 64:
-        # Large layers: gemm1 loads the block's rows by TMA; blocks of 128 keep gemm1's tile of 128 weight rows on
-        # 4 warps in 2 stages (two programs per SM: MXFP4_MMA_WIDE_GEMM1_STAGES), blocks of 64 keep it in 3,
-        # capped at three programs' registers per SM (MXFP4_MMA_GEMM1_REGISTERS), and give gemm2 a 32-row tail tile
-        # (its 128 columns on 4 warps, two programs per SM: MXFP4_MMA_WIDE_N).
+    if one_block or (N >= MXFP4_MMA_WIDE_N and block_m == 64):
+        # The one-block cells (any layer) and the large layers' other blocks of 64: gemm1 on TMA rows, capped at three
+        # programs' registers per SM (MXFP4_MMA_GEMM1_REGISTERS), gemm2 with a 32-row tail tile; in the one-block
+        # cells gemm1's tail has 32 rows too (MXFP4_MMA_ONE_BLOCK_TAIL), elsewhere block_m / 4.
         # NOTE: gemm1's 16-row tail tile at blocks of 64 (where one block does not hold most experts' rows): H200,
         # whole op, CUDA-graph medians of 7 interleaved rounds, outputs bitwise equal, with against without it:
         # gpt-oss-120b M 2048 (64 rows per expert) 1261.7 against 1328.3 us, Qwen2-57B-A14B TP 2 M 512 357.7 against
@@ -585,11 +579,13 @@ def mxfp4_mma_heuristic(block_m: int, g1: GemmConfig, g2: GemmConfig, blocks: fl
         # (benchmarks/results/ab_mxfp4_gemm1_tail_h200.txt, runs 3 and 4: ``python benchmarks/ab_fused_experts.py
         # --quant mxfp4_mma --model MODEL --tokens M --variant '{"gemm1": {"tail_m": 0}}'``). Before the tail test
         # read the expert's count (``_grouped_gemm._rows_from``) the tail serialized the kernel's wgmma and lost.
-        if wide:
-            g1 = dataclasses.replace(g1, num_stages=MXFP4_MMA_WIDE_GEMM1_STAGES, tma_a=True, tail_m=16)
-        else:
-            g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS)
-            g2 = dataclasses.replace(g2, tma_a=True, tail_m=32)
+        g1 = dataclasses.replace(g1, tma_a=True, max_registers=MXFP4_MMA_GEMM1_REGISTERS,
+                                 tail_m=MXFP4_MMA_ONE_BLOCK_TAIL if one_block else g1.tail_m)
+        g2 = dataclasses.replace(g2, tma_a=True, tail_m=MXFP4_MMA_ONE_BLOCK_TAIL)
+    if N >= MXFP4_MMA_WIDE_N and wide:
+        # Large layers at blocks of 128: gemm1 on TMA rows, its tile of 128 weight rows on 4 warps in 2 stages (two
+        # programs per SM: MXFP4_MMA_WIDE_GEMM1_STAGES) with a 16-row tail.
+        g1 = dataclasses.replace(g1, num_stages=MXFP4_MMA_WIDE_GEMM1_STAGES, tma_a=True, tail_m=16)
     return g1, g2
 
 
