@@ -606,7 +606,11 @@ def shard_dot_gemvs(quant: str, esize: int) -> bool:
     tensor-core GEMVs against the sorted schedule the op ran before (and the FMA GEMVs): M = 1 40.6 against 49.9 us
     (62.5), M = 2 56.3 against 65.9 (108.7), M = 4 94.4 against 94.3 (207.8). Without a shard the FMA GEMVs were as
     fast or faster at M = 1 in all 6 models tried, e.g. qwen3-next-80b-a3b-tp2 15.7 against 19.4 us, llama-4-scout
-    64.6 against 67.3, qwen3-235b-a22b-tp4 28.1 against 28.2: the heuristic keeps them there."""
+    64.6 against 67.3, qwen3-235b-a22b-tp4 28.1 against 28.2: the heuristic keeps them there; and where ``use_direct``
+    gives the sorted schedule (M 4-16, swigluoai), it beat the tensor-core GEMVs in 9 of 10 cells, e.g.
+    qwen3-next-80b-a3b-tp2 M = 8 69.6 against 75.2 us, qwen3-235b-a22b-tp4 M = 8 127.6 against 148.9, gpt-oss-120b
+    M = 8 343.0 against 374.8 (deepseek-v3-tp4 M = 4 the exception: 177.3 against 167.7; same file, ``--variant``
+    with ``dot_gemv_direct``'s config, the commands there)."""
     return quant in DOT_GEMV_QUANTS or (quant == "none" and esize == 2)
 
 
