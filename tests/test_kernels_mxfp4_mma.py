@@ -371,10 +371,10 @@ LAYER_TILES = {
 
 @pytest.mark.parametrize("shape", list(LAYER_TILES))
 def test_heuristic_widens_tiles_of_large_layers(shape):
-    """27-40 rows per expert (MXFP4_MMA_ONE_BLOCK_ROWS) run as one block of 64 whose GEMMs take 32-row tails
-    (MXFP4_MMA_ONE_BLOCK_TAIL), gemm1 with TMA rows, capped at three programs' registers per SM, gemm2 128 columns on
-    4 warps; fewer rows run blocks of 32. From N = MXFP4_MMA_WIDE_N on, the sorted tiles widen: other blocks of 64
-    run gemm1 so (with a 16-row tail), gemm2 with a 32-row tail; blocks of 128 run gemm1 on
+    """More than 26 and at most 40 expected rows per expert (MXFP4_MMA_ONE_BLOCK_ROWS) run as one block of 64 whose
+    GEMMs take 32-row tails (MXFP4_MMA_ONE_BLOCK_TAIL), gemm1 with TMA rows, capped at three programs' registers per
+    SM, gemm2 128 columns on 4 warps; fewer rows run blocks of 32. From N = MXFP4_MMA_WIDE_N on, the sorted tiles
+    widen: other blocks of 64 run gemm1 so (with a 16-row tail), gemm2 with a 32-row tail; blocks of 128 run gemm1 on
     TMA rows in 2 stages (two programs per SM, MXFP4_MMA_WIDE_GEMM1_STAGES); a smaller layer keeps 3 stages at blocks
     of 128 and 128-row tiles on 4 warps, and outside the one-block cells gemm1 on pointer loads, uncapped. Tiles
     admitted unchanged."""
