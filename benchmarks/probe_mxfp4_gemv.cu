@@ -1,0 +1,376 @@
+// A standalone CUDA probe of the MXFP4 decode GEMV: one expert's weight rows in the MMA layout
+// (moe_extension/quant/mxfp4_mma.py: e2m1 codes, E8M0 scales per 32 columns, one 32-bit word per lane and k16 step)
+// times one bf16 row, per (token, slot) pair; fp32 out [P, rows]. What the direct schedule's two GEMVs
+// (kernels/_gemv_dot.py) do without their epilogues, written without shared memory for the weights: each lane loads
+// its fragment words straight into registers (16 B per 64-column chunk), decodes them with the layout's rotations,
+// masks and one bf16 multiply by the group's factor, and feeds mma.sync m16n8k16 (the row in all 8 columns of B).
+// A block is KS warps on one 16-row band, warp j taking chunks j, j + KS, ... in groups of U loaded before they are
+// decoded; the row sits in shared memory in fragment order; the warps' sums meet in shared memory.
+//
+// Variants, each timed at gpt-oss-120b's shapes (E 128, K 2880; rows 5760 = gemm1's gate and up, 2880 = gemm2's)
+// for P pairs on distinct experts:
+//   decode KS/U  the GEMV (its output checked first against a host decode of the layout, fp64 sums)
+//   loads        the same kernel's loads and row staging, no decode or MMA
+//   loads, no x  its weight and scale loads alone
+//   stream       a plain streaming read of the same codes, 16 KB per block: what the bytes cost at best
+// Per launch: the median of 7 replays of a CUDA graph of 64 launches, each on its own set of experts (no L2 reuse
+// between launches), divided by 64; GB/s counts codes and scales (17 / 32 byte per weight; stream: codes only).
+//
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/probe_mxfp4_gemv benchmarks/probe_mxfp4_gemv.cu && /tmp/probe_mxfp4_gemv
+//
+// Not used by the library. benchmarks/results/probe_mxfp4_gemv_h200.txt holds a run.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#define CHECK_CUDA(x)                                                                           \
+  do {                                                                                          \
+    cudaError_t err_ = (x);                                                                     \
+    if (err_ != cudaSuccess) {                                                                  \
+      std::printf("%s failed at line %d: %s\n", #x, __LINE__, cudaGetErrorString(err_));        \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+constexpr int MODE_DECODE = 0, MODE_LOADS = 1, MODE_LOADS_NO_X = 2;
+
+__device__ __forceinline__ uint32_t rotl(uint32_t x, int r) { return __funnelshift_l(x, x, r); }
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;  // a * b + (-0): the product, signs of zeros kept
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 load_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t load_stream4(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// The bf16x2 factor 2^(s - 21) of the scale byte that `sel` picks from `scales` (exponent field s + 106, both
+// halves): __byte_perm puts the byte in the low byte of each half, one IMAD shifts it and adds 106 << 7.
+__device__ __forceinline__ uint32_t group_factor(uint32_t scales, uint32_t sel) {
+  return __byte_perm(scales, 0u, sel) * 128u + 0x35003500u;
+}
+
+// out[p, band rows] = W[ids[p], band rows, :] x[p, :]: grid (rows / 16, P), KS warps per block.
+template <int KS, int U, int MODE>
+__global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict__ codes,
+                                                       const uint8_t* __restrict__ scales,
+                                                       const __nv_bfloat16* __restrict__ x,
+                                                       const int* __restrict__ ids, float* __restrict__ out,
+                                                       int rows, int K) {
+  extern __shared__ uint32_t smem[];  // the row in fragment order [chunks][4 t][8 words], then [KS][16] sums
+  const int band = blockIdx.x, p = blockIdx.y, e = ids[p];
+  const int chunks = K / 64;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  uint32_t* x_frag = smem;
+  float* sums = reinterpret_cast<float*>(smem + chunks * 32);
+  if (MODE != MODE_LOADS_NO_X) {
+    const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(x + (size_t)p * K);
+    for (int i = threadIdx.x; i < chunks * 32; i += KS * 32) {
+      const int c = i >> 5, lt = (i >> 3) & 3, step = (i >> 1) & 3, hi = i & 1;
+      x_frag[i] = x_pairs[(64 * c + 16 * step + 8 * hi + 2 * lt) >> 1];
+    }
+  }
+  __syncthreads();
+  const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
+  const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
+  const uint32_t mask = 0x81C081C0u, mask_hi = 0x81808180u, mask_lo = 0x00400040u;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  uint32_t folded = 0;
+  for (int c0 = warp; c0 < chunks; c0 += KS * U) {
+    uint4 words[U];
+    uint32_t group_scales[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KS;
+      words[u] = c < chunks ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
+      group_scales[u] = c < chunks ? load_stream4(band_scales + 32 * c) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KS;
+      if (c >= chunks) break;
+      if (MODE != MODE_DECODE) {
+        folded ^= words[u].x ^ words[u].y ^ words[u].z ^ words[u].w ^ group_scales[u];
+        continue;
+      }
+      const uint4* xv = reinterpret_cast<const uint4*>(x_frag + (c * 4 + t) * 8);
+      const uint4 xa = xv[0], xb = xv[1];
+      const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      const uint32_t ws[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
+      // scale bytes per lane group: (row g, columns 0-31), (row g, 32-63), (row g + 8, 0-31), (row g + 8, 32-63)
+      const uint32_t f_lo[2] = {group_factor(group_scales[u], 0x4040), group_factor(group_scales[u], 0x4141)};
+      const uint32_t f_hi[2] = {group_factor(group_scales[u], 0x4242), group_factor(group_scales[u], 0x4343)};
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const uint32_t w = ws[step], f0 = f_lo[step >> 1], f1 = f_hi[step >> 1];
+        // rotations by 4 and 6 as shifts (no masked bit comes from the wrapped ones): IMAD on the FMA pipe
+        const uint32_t a0 = bf16x2_mul(w & mask, f0);
+        const uint32_t a1 = bf16x2_mul((w * 16u) & mask, f1);
+        const uint32_t a2 = bf16x2_mul(rotl(w, 10) & mask, f0);
+        const uint32_t a3 = bf16x2_mul((rotl(w, 14) & mask_hi) | ((w * 64u) & mask_lo), f1);
+        mma_bf16(acc[step & 1], a0, a1, a2, a3, xs[2 * step], xs[2 * step + 1]);
+      }
+    }
+  }
+  if (t == 0) {
+    sums[warp * 16 + g] = acc[0][0] + acc[1][0];
+    sums[warp * 16 + g + 8] = acc[0][2] + acc[1][2];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float v = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) v += sums[j * 16 + threadIdx.x];
+    if (MODE != MODE_DECODE) v = __uint_as_float(folded & 0x007fffffu);  // keeps the loads; not a result
+    out[(size_t)p * rows + band * 16 + threadIdx.x] = v * 1048576.0f;    // 2^MMA_EXCESS
+  }
+}
+
+// Reads each pair's expert's codes, 16 KB per block (4 loads of 16 B per thread).
+__global__ void __launch_bounds__(256) stream_codes(const uint8_t* __restrict__ codes, const int* __restrict__ ids,
+                                                    float* __restrict__ out, size_t per_expert) {
+  const uint8_t* base = codes + (size_t)ids[blockIdx.y] * per_expert;
+  uint32_t folded = 0;
+  uint4 v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const size_t off = (size_t)blockIdx.x * 16384 + (size_t)(i * 256 + threadIdx.x) * 16;
+    v[i] = off < per_expert ? load_stream16(base + off) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) folded ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+  if (folded == 0x9e3779b9u) out[0] = 1.f;
+}
+
+namespace {
+
+float bf16_to_float(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// The bit of a word that holds code bit `bit` (3 sign, 2..0 magnitude) of fragment register (a, h), bf16 lane i:
+// moe_extension/quant/mxfp4_mma.py's _source_bit.
+int source_bit(int a, int h, int i, int bit) {
+  static const int target_bits[4] = {6, 7, 8, 15};
+  const int target = target_bits[bit] + 16 * i;
+  int rot;
+  if (a == 0 && h == 0) rot = 0;
+  else if (a == 0 && h == 1) rot = 4;
+  else if (a == 1 && h == 0) rot = 10;
+  else rot = bit == 0 ? 6 : 14;
+  return ((target - rot) % 32 + 32) % 32;
+}
+
+const double kE2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+
+struct Problem {
+  int E, K, max_rows, max_pairs, sets;
+  uint8_t *codes, *scales;
+  __nv_bfloat16* x;
+  int* ids;
+  float* out;
+  std::vector<uint8_t> h_codes, h_scales;
+  std::vector<uint16_t> h_x;
+  std::vector<int> h_ids;
+};
+
+template <int KS, int U, int MODE>
+void launch(const Problem& pr, int rows, int P, const int* ids, cudaStream_t stream) {
+  const size_t smem = (size_t)(pr.K / 64) * 32 * 4 + KS * 16 * 4;
+  gemv_decode<KS, U, MODE><<<dim3(rows / 16, P), KS * 32, smem, stream>>>(pr.codes, pr.scales, pr.x, ids, pr.out,
+                                                                         rows, pr.K);
+}
+
+// max |out - ref| / sum |terms| over P pairs of `rows` rows against the host decode; exits on a mismatch.
+template <int KS, int U>
+void check(const Problem& pr, int rows, int P) {
+  CHECK_CUDA(cudaMemset(pr.out, 0xff, (size_t)P * rows * 4));
+  launch<KS, U, MODE_DECODE>(pr, rows, P, pr.ids, 0);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> got((size_t)P * rows);
+  CHECK_CUDA(cudaMemcpy(got.data(), pr.out, got.size() * 4, cudaMemcpyDeviceToHost));
+  const int K = pr.K;
+  double worst = 0;
+  for (int p = 0; p < P; ++p) {
+    const uint8_t* qe = pr.h_codes.data() + (size_t)pr.h_ids[p] * rows * (K / 2);
+    const uint8_t* se = pr.h_scales.data() + (size_t)pr.h_ids[p] * rows * (K / 32);
+    std::vector<double> ref(rows, 0.0), mag(rows, 0.0);
+    for (int band = 0; band < rows / 16; ++band)
+      for (int c = 0; c < K / 64; ++c)
+        for (int lane = 0; lane < 32; ++lane)
+          for (int step = 0; step < 4; ++step) {
+            const int g = lane / 4, t = lane % 4;
+            uint32_t w;
+            std::memcpy(&w, qe + (size_t)band * 16 * (K / 2) + 512 * c + 16 * lane + 4 * step, 4);
+            for (int a = 0; a < 2; ++a)
+              for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < 2; ++i) {
+                  int code = 0;
+                  for (int bit = 0; bit < 4; ++bit) code |= ((w >> source_bit(a, h, i, bit)) & 1) << bit;
+                  const int row = 16 * band + 8 * h + g, col = 64 * c + 16 * step + 8 * a + 2 * t + i;
+                  const int s = se[(size_t)band * 16 * (K / 32) + 32 * c + 4 * g + 2 * h + step / 2];
+                  const double term = kE2m1[code & 7] * (code & 8 ? -1 : 1) * std::ldexp(1.0, s - 127) *
+                                      bf16_to_float(pr.h_x[(size_t)p * K + col]);
+                  ref[row] += term;
+                  mag[row] += std::fabs(term);
+                }
+          }
+    for (int r = 0; r < rows; ++r) {
+      const double err = std::fabs(got[(size_t)p * rows + r] - ref[r]) / (mag[r] + 1e-30);
+      if (!(err < 1e-2)) {
+        std::printf("decode %d/%d: pair %d row %d: %g, expected %g\n", KS, U, p, r, got[(size_t)p * rows + r],
+                    ref[r]);
+        std::exit(1);
+      }
+      worst = std::max(worst, err);
+    }
+  }
+  std::printf("decode %d/%d rows %d, %d pairs: max |out - ref| / sum |terms| = %.2e\n", KS, U, rows, P, worst);
+}
+
+template <typename Launch>
+void time_graph(const char* name, const Problem& pr, int rows, int P, double bytes, Launch launch_one) {
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int r = 0; r < pr.sets; ++r) launch_one(pr.ids + r * P, stream);
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> per_launch;
+  for (int it = 0; it < 7; ++it) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    per_launch.push_back(ms * 1000.f / pr.sets);
+  }
+  std::sort(per_launch.begin(), per_launch.end());
+  const float us = per_launch[3];
+  std::printf("  rows %4d  P %d  %-14s %7.2f us  %5.0f GB/s\n", rows, P, name, us, bytes / us / 1e3);
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+}
+
+double copy_gbps() {
+  const size_t n = (size_t)256 << 20;
+  void *a, *b;
+  CHECK_CUDA(cudaMalloc(&a, n));
+  CHECK_CUDA(cudaMalloc(&b, n));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice));
+  CHECK_CUDA(cudaEventRecord(start));
+  for (int i = 0; i < 10; ++i) CHECK_CUDA(cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice));
+  CHECK_CUDA(cudaEventRecord(stop));
+  CHECK_CUDA(cudaEventSynchronize(stop));
+  float ms;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  return 2.0 * n * 10 / (ms * 1e-3) / 1e9;
+}
+
+}  // namespace
+
+int main() {
+  Problem pr;
+  pr.E = 128;
+  pr.K = 2880;
+  pr.max_rows = 5760;
+  pr.max_pairs = 8;
+  pr.sets = 64;
+  std::mt19937 rng(20261129);
+  pr.h_codes.resize((size_t)pr.E * pr.max_rows * pr.K / 2);
+  pr.h_scales.resize((size_t)pr.E * pr.max_rows * pr.K / 32);
+  for (auto& v : pr.h_codes) v = rng() & 0xff;      // any byte is two valid codes
+  for (auto& v : pr.h_scales) v = 118 + rng() % 16;  // 2^-9 .. 2^6
+  pr.h_x.resize((size_t)pr.max_pairs * pr.K);
+  std::normal_distribution<float> normal;
+  for (auto& v : pr.h_x) v = float_to_bf16(normal(rng));
+  pr.h_ids.resize((size_t)pr.sets * pr.max_pairs);
+  for (size_t i = 0; i < pr.h_ids.size(); ++i) pr.h_ids[i] = (int)((i * 37 + 11) % pr.E);
+  CHECK_CUDA(cudaMalloc(&pr.codes, pr.h_codes.size()));
+  CHECK_CUDA(cudaMalloc(&pr.scales, pr.h_scales.size()));
+  CHECK_CUDA(cudaMalloc(&pr.x, pr.h_x.size() * 2));
+  CHECK_CUDA(cudaMalloc(&pr.ids, pr.h_ids.size() * 4));
+  CHECK_CUDA(cudaMalloc(&pr.out, (size_t)pr.max_pairs * pr.max_rows * 4));
+  CHECK_CUDA(cudaMemcpy(pr.codes, pr.h_codes.data(), pr.h_codes.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(pr.scales, pr.h_scales.data(), pr.h_scales.size(), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(pr.x, pr.h_x.data(), pr.h_x.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(pr.ids, pr.h_ids.data(), pr.h_ids.size() * 4, cudaMemcpyHostToDevice));
+
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs; device copy %.0f GB/s (read + write)\n", prop.name, prop.multiProcessorCount, copy_gbps());
+  check<4, 4>(pr, 5760, 3);
+  check<8, 2>(pr, 2880, 3);
+  for (int rows : {5760, 2880}) {
+    for (int P : {1, 4, 8}) {
+      const double bytes = (double)P * rows * pr.K * 17 / 32;
+      const size_t per_expert = (size_t)rows * pr.K / 2;
+      time_graph("decode 4/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch<4, 4, MODE_DECODE>(pr, rows, P, ids, s); });
+      time_graph("decode 8/2", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch<8, 2, MODE_DECODE>(pr, rows, P, ids, s); });
+      time_graph("loads 4/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch<4, 4, MODE_LOADS>(pr, rows, P, ids, s); });
+      time_graph("loads, no x", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch<4, 4, MODE_LOADS_NO_X>(pr, rows, P, ids, s); });
+      time_graph("stream", pr, rows, P, (double)P * per_expert, [&](const int* ids, cudaStream_t s) {
+        stream_codes<<<dim3((unsigned)((per_expert + 16383) / 16384), P), 256, 0, s>>>(pr.codes, ids, pr.out,
+                                                                                      per_expert);
+      });
+    }
+  }
+  return 0;
+}
