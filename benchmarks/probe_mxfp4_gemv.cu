@@ -10,6 +10,8 @@
 // Variants, each timed at gpt-oss-120b's shapes (E 128, K 2880; rows 5760 = gemm1's gate and up, 2880 = gemm2's)
 // for P pairs on distinct experts:
 //   decode KS/U  the GEMV (its output checked first against a host decode of the layout, fp64 sums)
+//   ring KS/U/S  the same with each warp's loads as cp.async into a private ring of S stages of U chunks in shared
+//                memory (S - 1 groups in flight while the warp decodes one, no registers held for them)
 //   loads        the same kernel's loads and row staging, no decode or MMA
 //   loads, no x  its weight and scale loads alone
 //   stream       a plain streaming read of the same codes, 16 KB per block: what the bytes cost at best
@@ -153,6 +155,104 @@ __global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict
   }
 }
 
+__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void copy_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// gemv_decode with each warp's loads as cp.async into a private ring of S stages of U chunks in shared memory:
+// the loads of the next S - 1 groups fly while the warp decodes one, without holding registers. Each lane copies
+// and reads back only its own 16 B of codes and its lane group's 4 B of scales: no barrier between the warp's lanes.
+template <int KS, int U, int S>
+__global__ void __launch_bounds__(KS * 32) gemv_decode_ring(const uint8_t* __restrict__ codes,
+                                                            const uint8_t* __restrict__ scales,
+                                                            const __nv_bfloat16* __restrict__ x,
+                                                            const int* __restrict__ ids, float* __restrict__ out,
+                                                            int rows, int K) {
+  extern __shared__ __align__(16) uint32_t smem[];  // x fragments, sums, then per warp [S][U][32] codes and scales
+  const int band = blockIdx.x, p = blockIdx.y, e = ids[p];
+  const int chunks = K / 64;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  uint32_t* x_frag = smem;
+  float* sums = reinterpret_cast<float*>(smem + chunks * 32);
+  uint4* ring_codes = reinterpret_cast<uint4*>(smem + chunks * 32 + KS * 16) + (size_t)warp * S * U * 32;
+  uint32_t* ring_scales = smem + chunks * 32 + KS * 16 + KS * S * U * 32 * 4 + (size_t)warp * S * U * 32;
+  const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
+  const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
+  const int mine = chunks > warp ? (chunks - warp + KS - 1) / KS : 0;  // chunks warp, warp + KS, ...
+  const int groups = (mine + U - 1) / U;
+  auto issue = [&](int j) {
+    if (j < groups) {
+      const int slot = j % S;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = j * U + u;
+        if (k < mine) {
+          const int c = warp + k * KS;
+          copy_async16(ring_codes + (slot * U + u) * 32 + lane, band_codes + 512 * c);
+          copy_async4(ring_scales + (slot * U + u) * 32 + lane, band_scales + 32 * c);
+        }
+      }
+    }
+    copy_async_commit();
+  };
+#pragma unroll
+  for (int j = 0; j < S - 1; ++j) issue(j);
+  const uint32_t* x_pairs = reinterpret_cast<const uint32_t*>(x + (size_t)p * K);
+  for (int i = threadIdx.x; i < chunks * 32; i += KS * 32) {
+    const int c = i >> 5, lt = (i >> 3) & 3, step = (i >> 1) & 3, hi = i & 1;
+    x_frag[i] = x_pairs[(64 * c + 16 * step + 8 * hi + 2 * lt) >> 1];
+  }
+  __syncthreads();
+  const uint32_t mask = 0x81C081C0u, mask_hi = 0x81808180u, mask_lo = 0x00400040u;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  for (int j = 0; j < groups; ++j) {
+    issue(j + S - 1);
+    copy_async_wait<S - 1>();
+    const int slot = j % S;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = j * U + u;
+      if (k >= mine) break;
+      const int c = warp + k * KS;
+      const uint4 wv = ring_codes[(slot * U + u) * 32 + lane];
+      const uint32_t group_scales = ring_scales[(slot * U + u) * 32 + lane];
+      const uint4* xv = reinterpret_cast<const uint4*>(x_frag + (c * 4 + t) * 8);
+      const uint4 xa = xv[0], xb = xv[1];
+      const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
+      const uint32_t f_lo[2] = {group_factor(group_scales, 0x4040), group_factor(group_scales, 0x4141)};
+      const uint32_t f_hi[2] = {group_factor(group_scales, 0x4242), group_factor(group_scales, 0x4343)};
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const uint32_t w = ws[step], f0 = f_lo[step >> 1], f1 = f_hi[step >> 1];
+        const uint32_t a0 = bf16x2_mul(w & mask, f0);
+        const uint32_t a1 = bf16x2_mul((w * 16u) & mask, f1);
+        const uint32_t a2 = bf16x2_mul(rotl(w, 10) & mask, f0);
+        const uint32_t a3 = bf16x2_mul((rotl(w, 14) & mask_hi) | ((w * 64u) & mask_lo), f1);
+        mma_bf16(acc[step & 1], a0, a1, a2, a3, xs[2 * step], xs[2 * step + 1]);
+      }
+    }
+  }
+  copy_async_wait<0>();
+  if (t == 0) {
+    sums[warp * 16 + g] = acc[0][0] + acc[1][0];
+    sums[warp * 16 + g + 8] = acc[0][2] + acc[1][2];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float v = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) v += sums[j * 16 + threadIdx.x];
+    out[(size_t)p * rows + band * 16 + threadIdx.x] = v * 1048576.0f;
+  }
+}
+
 // Reads each pair's expert's codes, 16 KB per block (4 loads of 16 B per thread).
 __global__ void __launch_bounds__(256) stream_codes(const uint8_t* __restrict__ codes, const int* __restrict__ ids,
                                                     float* __restrict__ out, size_t per_expert) {
@@ -218,11 +318,24 @@ void launch(const Problem& pr, int rows, int P, const int* ids, cudaStream_t str
                                                                          rows, pr.K);
 }
 
+template <int KS, int U, int S>
+void launch_ring(const Problem& pr, int rows, int P, const int* ids, cudaStream_t stream) {
+  const size_t smem = (size_t)(pr.K / 64) * 32 * 4 + KS * 16 * 4 + (size_t)KS * S * U * 32 * 20;
+  static bool configured = false;
+  if (!configured) {
+    CHECK_CUDA(cudaFuncSetAttribute(gemv_decode_ring<KS, U, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)smem));
+    configured = true;
+  }
+  gemv_decode_ring<KS, U, S><<<dim3(rows / 16, P), KS * 32, smem, stream>>>(pr.codes, pr.scales, pr.x, ids, pr.out,
+                                                                           rows, pr.K);
+}
+
 // max |out - ref| / sum |terms| over P pairs of `rows` rows against the host decode; exits on a mismatch.
-template <int KS, int U>
-void check(const Problem& pr, int rows, int P) {
+template <typename Launch>
+void check(const char* name, const Problem& pr, int rows, int P, Launch launch_one) {
   CHECK_CUDA(cudaMemset(pr.out, 0xff, (size_t)P * rows * 4));
-  launch<KS, U, MODE_DECODE>(pr, rows, P, pr.ids, 0);
+  launch_one(pr.ids, (cudaStream_t)0);
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> got((size_t)P * rows);
   CHECK_CUDA(cudaMemcpy(got.data(), pr.out, got.size() * 4, cudaMemcpyDeviceToHost));
@@ -255,14 +368,13 @@ void check(const Problem& pr, int rows, int P) {
     for (int r = 0; r < rows; ++r) {
       const double err = std::fabs(got[(size_t)p * rows + r] - ref[r]) / (mag[r] + 1e-30);
       if (!(err < 1e-2)) {
-        std::printf("decode %d/%d: pair %d row %d: %g, expected %g\n", KS, U, p, r, got[(size_t)p * rows + r],
-                    ref[r]);
+        std::printf("%s: pair %d row %d: %g, expected %g\n", name, p, r, got[(size_t)p * rows + r], ref[r]);
         std::exit(1);
       }
       worst = std::max(worst, err);
     }
   }
-  std::printf("decode %d/%d rows %d, %d pairs: max |out - ref| / sum |terms| = %.2e\n", KS, U, rows, P, worst);
+  std::printf("%s rows %d, %d pairs: max |out - ref| / sum |terms| = %.2e\n", name, rows, P, worst);
 }
 
 template <typename Launch>
@@ -352,8 +464,12 @@ int main() {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs; device copy %.0f GB/s (read + write)\n", prop.name, prop.multiProcessorCount, copy_gbps());
-  check<4, 4>(pr, 5760, 3);
-  check<8, 2>(pr, 2880, 3);
+  check("decode 4/4", pr, 5760, 3,
+        [&](const int* ids, cudaStream_t st) { launch<4, 4, MODE_DECODE>(pr, 5760, 3, ids, st); });
+  check("decode 8/2", pr, 2880, 3,
+        [&](const int* ids, cudaStream_t st) { launch<8, 2, MODE_DECODE>(pr, 2880, 3, ids, st); });
+  check("ring 4/2/4", pr, 5760, 3, [&](const int* ids, cudaStream_t st) { launch_ring<4, 2, 4>(pr, 5760, 3, ids, st); });
+  check("ring 4/1/6", pr, 2880, 3, [&](const int* ids, cudaStream_t st) { launch_ring<4, 1, 6>(pr, 2880, 3, ids, st); });
   for (int rows : {5760, 2880}) {
     for (int P : {1, 4, 8}) {
       const double bytes = (double)P * rows * pr.K * 17 / 32;
@@ -362,6 +478,20 @@ int main() {
                  [&](const int* ids, cudaStream_t s) { launch<4, 4, MODE_DECODE>(pr, rows, P, ids, s); });
       time_graph("decode 8/2", pr, rows, P, bytes,
                  [&](const int* ids, cudaStream_t s) { launch<8, 2, MODE_DECODE>(pr, rows, P, ids, s); });
+      time_graph("ring 4/2/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_ring<4, 2, 4>(pr, rows, P, ids, s); });
+      time_graph("ring 4/1/6", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_ring<4, 1, 6>(pr, rows, P, ids, s); });
+      time_graph("ring 2/2/6", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_ring<2, 2, 6>(pr, rows, P, ids, s); });
+      time_graph("ring 1/2/6", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_ring<1, 2, 6>(pr, rows, P, ids, s); });
+      time_graph("ring 1/4/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_ring<1, 4, 4>(pr, rows, P, ids, s); });
+      time_graph("ring 2/4/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_ring<2, 4, 4>(pr, rows, P, ids, s); });
+      time_graph("ring 8/1/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_ring<8, 1, 4>(pr, rows, P, ids, s); });
       time_graph("loads 4/4", pr, rows, P, bytes,
                  [&](const int* ids, cudaStream_t s) { launch<4, 4, MODE_LOADS>(pr, rows, P, ids, s); });
       time_graph("loads, no x", pr, rows, P, bytes,
