@@ -43,13 +43,13 @@ gemv2 slice, gemv1 slowed more than gemv2 gained (H200, gpt-oss-120b MXFP4 M = 1
 against 15.8, gemv2 10.7 against 11.0; fp8 block, DeepSeek-V3's shard of 32 of 256 experts M = 1 17.6 against 16.6;
 benchmarks/results/ab_decode_pipes_h200.txt, section 3d).
 
-NOTE: MXFP4's GEMVs stream their weights at about half the rate of a plain read of the same bytes; a CUDA kernel of
-the same structure (the fragment words loaded straight into registers, decoded there, mma.sync, no shared memory for
-the weights) took 15.1-15.5 us for gpt-oss-120b's first GEMV at M = 1 on the H200 against 16.2 for gemv1 here (eager),
-11.2 for its own loads and 8.7 for a streaming read of the codes; second GEMV 9.1 against 11.1 (5.1 streamed): the
-decode adds to the loads instead of overlapping them, which takes producer and consumer warps, not another language
-(benchmarks/results/probe_mxfp4_gemv_h200.txt: ``nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/probe_mxfp4_gemv
-benchmarks/probe_mxfp4_gemv.cu && /tmp/probe_mxfp4_gemv``).
+NOTE: MXFP4's GEMVs stream their weights at about half the rate of a plain read of the same bytes, and a CUDA kernel
+does not change that: one with the fragment words loaded straight into registers, decoded there and fed to mma.sync
+took 15.2-15.5 us for gpt-oss-120b's first GEMV at M = 1 on the H200 against 16.2 for gemv1 here (eager), 11.3 for its
+own loads and 8.8 for a streaming read of the codes (second GEMV 9.1 against 11.1, 5.2 streamed), and no less with
+its loads kept in flight by cp.async while its warps decoded (15.9-19.3): not load latency bounds it (which pipe does
+was not profiled; benchmarks/results/probe_mxfp4_gemv_h200.txt: ``nvcc -O3 -std=c++17 -arch=sm_90a -o
+/tmp/probe_mxfp4_gemv benchmarks/probe_mxfp4_gemv.cu && /tmp/probe_mxfp4_gemv``).
 
 PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
 before it waits for the previous kernel (``_launch.grid_dependency``); the activations, the counters and every store
