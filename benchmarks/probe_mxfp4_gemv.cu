@@ -79,6 +79,47 @@ __device__ __forceinline__ uint32_t group_factor(uint32_t scales, uint32_t sel) 
   return __byte_perm(scales, 0u, sel) * 128u + 0x35003500u;
 }
 
+// One 64-column chunk of a lane's band: its four fragment words `wv`, its lane group's scale bytes, the row's
+// fragments of the chunk (x_frag: [4 t][8 words]) -> two running sums (alternate k16 steps: two MMA chains).
+__device__ __forceinline__ void decode_chunk(float (&acc)[2][4], uint4 wv, uint32_t group_scales,
+                                             const uint32_t* x_chunk, int t) {
+  const uint32_t mask = 0x81C081C0u, mask_hi = 0x81808180u, mask_lo = 0x00400040u;
+  const uint4* xv = reinterpret_cast<const uint4*>(x_chunk + t * 8);
+  const uint4 xa = xv[0], xb = xv[1];
+  const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+  const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
+  // scale bytes per lane group: (row g, columns 0-31), (row g, 32-63), (row g + 8, 0-31), (row g + 8, 32-63)
+  const uint32_t f_lo[2] = {group_factor(group_scales, 0x4040), group_factor(group_scales, 0x4141)};
+  const uint32_t f_hi[2] = {group_factor(group_scales, 0x4242), group_factor(group_scales, 0x4343)};
+#pragma unroll
+  for (int step = 0; step < 4; ++step) {
+    const uint32_t w = ws[step], f0 = f_lo[step >> 1], f1 = f_hi[step >> 1];
+    // rotations by 4 and 6 as shifts (no masked bit comes from the wrapped ones): IMAD on the FMA pipe
+    const uint32_t a0 = bf16x2_mul(w & mask, f0);
+    const uint32_t a1 = bf16x2_mul((w * 16u) & mask, f1);
+    const uint32_t a2 = bf16x2_mul(rotl(w, 10) & mask, f0);
+    const uint32_t a3 = bf16x2_mul((rotl(w, 14) & mask_hi) | ((w * 64u) & mask_lo), f1);
+    mma_bf16(acc[step & 1], a0, a1, a2, a3, xs[2 * step], xs[2 * step + 1]);
+  }
+}
+
+// The band's 16 sums from the KS warps' running sums (lanes t = 0 hold rows g and g + 8) -> out, times 2^MMA_EXCESS.
+template <int KS>
+__device__ __forceinline__ void store_band(const float (&acc)[2][4], float* sums, float* out_rows, int warp, int g,
+                                           int t) {
+  if (t == 0) {
+    sums[warp * 16 + g] = acc[0][0] + acc[1][0];
+    sums[warp * 16 + g + 8] = acc[0][2] + acc[1][2];
+  }
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float v = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) v += sums[j * 16 + threadIdx.x];
+    out_rows[threadIdx.x] = v * 1048576.0f;
+  }
+}
+
 // out[p, band rows] = W[ids[p], band rows, :] x[p, :]: grid (rows / 16, P), KS warps per block.
 template <int KS, int U, int MODE>
 __global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict__ codes,
@@ -102,7 +143,6 @@ __global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict
   __syncthreads();
   const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
   const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
-  const uint32_t mask = 0x81C081C0u, mask_hi = 0x81808180u, mask_lo = 0x00400040u;
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   uint32_t folded = 0;
   for (int c0 = warp; c0 < chunks; c0 += KS * U) {
@@ -122,37 +162,14 @@ __global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict
         folded ^= words[u].x ^ words[u].y ^ words[u].z ^ words[u].w ^ group_scales[u];
         continue;
       }
-      const uint4* xv = reinterpret_cast<const uint4*>(x_frag + (c * 4 + t) * 8);
-      const uint4 xa = xv[0], xb = xv[1];
-      const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-      const uint32_t ws[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
-      // scale bytes per lane group: (row g, columns 0-31), (row g, 32-63), (row g + 8, 0-31), (row g + 8, 32-63)
-      const uint32_t f_lo[2] = {group_factor(group_scales[u], 0x4040), group_factor(group_scales[u], 0x4141)};
-      const uint32_t f_hi[2] = {group_factor(group_scales[u], 0x4242), group_factor(group_scales[u], 0x4343)};
-#pragma unroll
-      for (int step = 0; step < 4; ++step) {
-        const uint32_t w = ws[step], f0 = f_lo[step >> 1], f1 = f_hi[step >> 1];
-        // rotations by 4 and 6 as shifts (no masked bit comes from the wrapped ones): IMAD on the FMA pipe
-        const uint32_t a0 = bf16x2_mul(w & mask, f0);
-        const uint32_t a1 = bf16x2_mul((w * 16u) & mask, f1);
-        const uint32_t a2 = bf16x2_mul(rotl(w, 10) & mask, f0);
-        const uint32_t a3 = bf16x2_mul((rotl(w, 14) & mask_hi) | ((w * 64u) & mask_lo), f1);
-        mma_bf16(acc[step & 1], a0, a1, a2, a3, xs[2 * step], xs[2 * step + 1]);
-      }
+      decode_chunk(acc, words[u], group_scales[u], x_frag + c * 32, t);
     }
   }
-  if (t == 0) {
-    sums[warp * 16 + g] = acc[0][0] + acc[1][0];
-    sums[warp * 16 + g + 8] = acc[0][2] + acc[1][2];
+  if (MODE != MODE_DECODE) {  // keeps the loads; not a result
+    acc[0][0] = __uint_as_float(folded & 0x007fffffu);
+    acc[1][0] = 0.f;
   }
-  __syncthreads();
-  if (threadIdx.x < 16) {
-    float v = 0.f;
-#pragma unroll
-    for (int j = 0; j < KS; ++j) v += sums[j * 16 + threadIdx.x];
-    if (MODE != MODE_DECODE) v = __uint_as_float(folded & 0x007fffffu);  // keeps the loads; not a result
-    out[(size_t)p * rows + band * 16 + threadIdx.x] = v * 1048576.0f;    // 2^MMA_EXCESS
-  }
+  store_band<KS>(acc, sums, out + (size_t)p * rows + band * 16, warp, g, t);
 }
 
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
@@ -209,7 +226,6 @@ __global__ void __launch_bounds__(KS * 32) gemv_decode_ring(const uint8_t* __res
     x_frag[i] = x_pairs[(64 * c + 16 * step + 8 * hi + 2 * lt) >> 1];
   }
   __syncthreads();
-  const uint32_t mask = 0x81C081C0u, mask_hi = 0x81808180u, mask_lo = 0x00400040u;
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   for (int j = 0; j < groups; ++j) {
     issue(j + S - 1);
@@ -220,37 +236,12 @@ __global__ void __launch_bounds__(KS * 32) gemv_decode_ring(const uint8_t* __res
       const int k = j * U + u;
       if (k >= mine) break;
       const int c = warp + k * KS;
-      const uint4 wv = ring_codes[(slot * U + u) * 32 + lane];
-      const uint32_t group_scales = ring_scales[(slot * U + u) * 32 + lane];
-      const uint4* xv = reinterpret_cast<const uint4*>(x_frag + (c * 4 + t) * 8);
-      const uint4 xa = xv[0], xb = xv[1];
-      const uint32_t xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-      const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
-      const uint32_t f_lo[2] = {group_factor(group_scales, 0x4040), group_factor(group_scales, 0x4141)};
-      const uint32_t f_hi[2] = {group_factor(group_scales, 0x4242), group_factor(group_scales, 0x4343)};
-#pragma unroll
-      for (int step = 0; step < 4; ++step) {
-        const uint32_t w = ws[step], f0 = f_lo[step >> 1], f1 = f_hi[step >> 1];
-        const uint32_t a0 = bf16x2_mul(w & mask, f0);
-        const uint32_t a1 = bf16x2_mul((w * 16u) & mask, f1);
-        const uint32_t a2 = bf16x2_mul(rotl(w, 10) & mask, f0);
-        const uint32_t a3 = bf16x2_mul((rotl(w, 14) & mask_hi) | ((w * 64u) & mask_lo), f1);
-        mma_bf16(acc[step & 1], a0, a1, a2, a3, xs[2 * step], xs[2 * step + 1]);
-      }
+      decode_chunk(acc, ring_codes[(slot * U + u) * 32 + lane], ring_scales[(slot * U + u) * 32 + lane],
+                   x_frag + c * 32, t);
     }
   }
   copy_async_wait<0>();
-  if (t == 0) {
-    sums[warp * 16 + g] = acc[0][0] + acc[1][0];
-    sums[warp * 16 + g + 8] = acc[0][2] + acc[1][2];
-  }
-  __syncthreads();
-  if (threadIdx.x < 16) {
-    float v = 0.f;
-#pragma unroll
-    for (int j = 0; j < KS; ++j) v += sums[j * 16 + threadIdx.x];
-    out[(size_t)p * rows + band * 16 + threadIdx.x] = v * 1048576.0f;
-  }
+  store_band<KS>(acc, sums, out + (size_t)p * rows + band * 16, warp, g, t);
 }
 
 // Reads each pair's expert's codes, 16 KB per block (4 loads of 16 B per thread).
@@ -468,8 +459,10 @@ int main() {
         [&](const int* ids, cudaStream_t st) { launch<4, 4, MODE_DECODE>(pr, 5760, 3, ids, st); });
   check("decode 8/2", pr, 2880, 3,
         [&](const int* ids, cudaStream_t st) { launch<8, 2, MODE_DECODE>(pr, 2880, 3, ids, st); });
-  check("ring 4/2/4", pr, 5760, 3, [&](const int* ids, cudaStream_t st) { launch_ring<4, 2, 4>(pr, 5760, 3, ids, st); });
-  check("ring 4/1/6", pr, 2880, 3, [&](const int* ids, cudaStream_t st) { launch_ring<4, 1, 6>(pr, 2880, 3, ids, st); });
+  check("ring 4/2/4", pr, 5760, 3,
+        [&](const int* ids, cudaStream_t st) { launch_ring<4, 2, 4>(pr, 5760, 3, ids, st); });
+  check("ring 4/1/6", pr, 2880, 3,
+        [&](const int* ids, cudaStream_t st) { launch_ring<4, 1, 6>(pr, 2880, 3, ids, st); });
   for (int rows : {5760, 2880}) {
     for (int P : {1, 4, 8}) {
       const double bytes = (double)P * rows * pr.K * 17 / 32;
