@@ -43,8 +43,8 @@ gemv2 slice, gemv1 slowed more than gemv2 gained (H200, gpt-oss-120b MXFP4 M = 1
 against 15.8, gemv2 10.7 against 11.0; fp8 block, DeepSeek-V3's shard of 32 of 256 experts M = 1 17.6 against 16.6;
 benchmarks/results/ab_decode_pipes_h200.txt, section 3d).
 
-NOTE: MXFP4's GEMVs stream their weights at about half the rate of a plain read of the same bytes, and a CUDA kernel
-does not change that: one with the fragment words loaded straight into registers, decoded there and fed to mma.sync
+NOTE: MXFP4's GEMVs stream their weights at about half the rate of a plain read of the same bytes; a CUDA kernel
+of this form did not change that: fragment words loaded straight into registers, decoded there and fed to mma.sync,
 took 15.3-15.7 us for gpt-oss-120b's first GEMV at M = 1 on the H200 against 16.2 for gemv1 here (eager), 11.3 for its
 own loads and 8.8 for a streaming read of the codes (second GEMV 9.1 against 11.1, 5.2 streamed), and no less with
 its loads kept in flight by cp.async while its warps decoded (15.9-19.3): not load latency bounds it (which pipe does
