@@ -15,6 +15,12 @@
 //   loads        the same kernel's loads and row staging, no decode or MMA
 //   loads, no x  its weight and scale loads alone
 //   stream       a plain streaming read of the same codes, 16 KB per block: what the bytes cost at best
+//   fp8 KS/U     the same loads and GEMV through mma.sync m16n8k32 e4m3 instead of bf16: the codes in a layout of
+//                its own (per lane and k32 step two words, each two e4m3 fragment registers: the bits of one are in
+//                place under the mask 0x9C9C9C9C, the other's come from two shifts; a code lands as e2m1 * 2^-6),
+//                the group scales applied to each k32 step's fp32 sums (one FFMA per sum), and the bf16 row split
+//                exactly into two e4m3 rows, hi = e4m3(x s) and lo = e4m3(x s - hi) with s a power of two per row,
+//                as columns 0 and 1 of B (exact for elements within 2^10 of the row's largest)
 // Per launch: the median of 7 replays of a CUDA graph of 64 launches, each on its own set of experts (no L2 reuse
 // between launches), divided by 64; GB/s counts codes and scales (17 / 32 byte per weight; stream: codes only).
 //
@@ -22,6 +28,7 @@
 //
 // Not used by the library. benchmarks/results/probe_mxfp4_gemv_h200.txt holds a run.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -103,20 +110,21 @@ __device__ __forceinline__ void decode_chunk(float (&acc)[2][4], uint4 wv, uint3
   }
 }
 
-// The band's 16 sums from the KS warps' running sums (lanes t = 0 hold rows g and g + 8) -> out, times 2^MMA_EXCESS.
-template <int KS>
+// The band's 16 sums from the KS warps' running sums (lanes t = 0 hold rows g and g + 8; with HI_LO the sum of
+// columns 0 and 1, else column 0) -> out, times `factor` (2^MMA_EXCESS for the bf16 decode).
+template <int KS, bool HI_LO = false>
 __device__ __forceinline__ void store_band(const float (&acc)[2][4], float* sums, float* out_rows, int warp, int g,
-                                           int t) {
+                                           int t, float factor = 1048576.0f) {
   if (t == 0) {
-    sums[warp * 16 + g] = acc[0][0] + acc[1][0];
-    sums[warp * 16 + g + 8] = acc[0][2] + acc[1][2];
+    sums[warp * 16 + g] = acc[0][0] + acc[1][0] + (HI_LO ? acc[0][1] + acc[1][1] : 0.f);
+    sums[warp * 16 + g + 8] = acc[0][2] + acc[1][2] + (HI_LO ? acc[0][3] + acc[1][3] : 0.f);
   }
   __syncthreads();
   if (threadIdx.x < 16) {
     float v = 0.f;
 #pragma unroll
     for (int j = 0; j < KS; ++j) v += sums[j * 16 + threadIdx.x];
-    out_rows[threadIdx.x] = v * 1048576.0f;
+    out_rows[threadIdx.x] = v * factor;
   }
 }
 
@@ -170,6 +178,113 @@ __global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict
     acc[1][0] = 0.f;
   }
   store_band<KS>(acc, sums, out + (size_t)p * rows + band * 16, warp, g, t);
+}
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
+}
+
+// A word of the fp8 layout -> its two e4m3 fragment registers, each code as e2m1 * 2^-6 (sign at bit 7 of its byte,
+// magnitude at bits 4..2: exponent field 0..3, mantissa bit 2; code 0.5 lands on the subnormal 2^-7): the first
+// register in place under FP8_MASK; the second's sign and two low magnitude bits (word bits 5, 1, 0 of each byte)
+// shifted left by 2, its high magnitude bit (bit 6) right by 2.
+constexpr uint32_t FP8_MASK = 0x9C9C9C9Cu;
+__device__ __forceinline__ uint32_t fp8_first(uint32_t w) { return w & FP8_MASK; }
+__device__ __forceinline__ uint32_t fp8_second(uint32_t w) {
+  return ((w << 2) & 0x8C8C8C8Cu) | ((w >> 2) & 0x10101010u);
+}
+
+// Scale byte `k` of `scales` -> the fp32 2^(s - 127) (s >= 1).
+__device__ __forceinline__ float e8m0(uint32_t scales, uint32_t k) {
+  return __uint_as_float(__byte_perm(scales, 0u, 0x4440u + k) << 23);
+}
+
+// One 64-column chunk of a lane's band in the fp8 layout: words (k32 step 0: a0 a1, a2 a3; step 1: the same), its lane
+// group's scale bytes (as the MMA layout's), the row's e4m3 fragments of the chunk (x_chunk: [2 steps][hi, lo][4 t]
+// [b0, b1]: lanes of column g = 0 read hi, g = 1 lo, the others hold zeros) -> the running sums, one per step.
+__device__ __forceinline__ void decode_chunk_fp8(float (&acc)[2][4], uint4 wv, uint32_t group_scales,
+                                                 const uint32_t* x_chunk, int g, int t) {
+  const uint32_t ws[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+  for (int step = 0; step < 2; ++step) {
+    const uint32_t w0 = ws[2 * step], w1 = ws[2 * step + 1];
+    uint2 b = make_uint2(0u, 0u);
+    if (g < 2) b = *reinterpret_cast<const uint2*>(x_chunk + step * 16 + g * 8 + t * 2);
+    float d[4];
+    mma_e4m3(d, fp8_first(w0), fp8_second(w0), fp8_first(w1), fp8_second(w1), b.x, b.y);
+    const float f_g = e8m0(group_scales, step), f_h = e8m0(group_scales, 2 + step);
+    acc[step][0] = fmaf(f_g, d[0], acc[step][0]);
+    acc[step][1] = fmaf(f_g, d[1], acc[step][1]);
+    acc[step][2] = fmaf(f_h, d[2], acc[step][2]);
+    acc[step][3] = fmaf(f_h, d[3], acc[step][3]);
+  }
+}
+
+// gemv_decode on the fp8 layout: the row split into e4m3 hi and lo parts in the prologue (a power-of-two scale per
+// row that takes its largest element to at most 448), fragments [chunks][2 steps][hi, lo][4 t][b0, b1] in shared
+// memory; the band's sums times 2^6 / scale.
+template <int KS, int U>
+__global__ void __launch_bounds__(KS * 32) gemv_fp8(const uint8_t* __restrict__ codes,
+                                                    const uint8_t* __restrict__ scales,
+                                                    const __nv_bfloat16* __restrict__ x,
+                                                    const int* __restrict__ ids, float* __restrict__ out, int rows,
+                                                    int K) {
+  extern __shared__ uint32_t smem[];  // row fragments [chunks * 32], [KS][16] sums, [KS] maxima
+  const int band = blockIdx.x, p = blockIdx.y, e = ids[p];
+  const int chunks = K / 64;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  uint32_t* x_frag = smem;
+  float* sums = reinterpret_cast<float*>(smem + chunks * 32);
+  float* maxima = sums + KS * 16;
+  const __nv_bfloat16* xr = x + (size_t)p * K;
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < K; i += KS * 32) amax = fmaxf(amax, fabsf(__bfloat162float(xr[i])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (lane == 0) maxima[warp] = amax;
+  __syncthreads();
+  amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < KS; ++j) amax = fmaxf(amax, maxima[j]);
+  const float row_scale = amax > 0.f ? ldexpf(1.f, ilogbf(448.f / amax)) : 1.f;
+  for (int i = threadIdx.x; i < chunks * 32; i += KS * 32) {
+    const int c = i >> 5, step = (i >> 4) & 1, lo = (i >> 3) & 1, lt = (i >> 1) & 3, r = i & 1;
+    const int col = 64 * c + 32 * step + 16 * r + 4 * lt;
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float v = __bfloat162float(xr[col + j]) * row_scale;
+      const __nv_fp8_e4m3 hi(v);
+      const __nv_fp8_e4m3 part = lo ? __nv_fp8_e4m3(v - float(hi)) : hi;
+      word |= (uint32_t)part.__x << (8 * j);
+    }
+    x_frag[i] = word;
+  }
+  __syncthreads();
+  const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
+  const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  for (int c0 = warp; c0 < chunks; c0 += KS * U) {
+    uint4 words[U];
+    uint32_t group_scales[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KS;
+      words[u] = c < chunks ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
+      group_scales[u] = c < chunks ? load_stream4(band_scales + 32 * c) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KS;
+      if (c >= chunks) break;
+      decode_chunk_fp8(acc, words[u], group_scales[u], x_frag + c * 32, g, t);
+    }
+  }
+  store_band<KS, true>(acc, sums, out + (size_t)p * rows + band * 16, warp, g, t, 64.f / row_scale);
 }
 
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
@@ -289,6 +404,13 @@ int source_bit(int a, int h, int i, int bit) {
   return ((target - rot) % 32 + 32) % 32;
 }
 
+// The bit of a word of the fp8 layout that holds code bit `bit` (3 sign, 2..0 magnitude) of byte i of its first
+// (second = false) or second register (gemv_fp8's fp8_first / fp8_second).
+int fp8_source_bit(bool second, int i, int bit) {
+  static const int first_bits[4] = {2, 3, 4, 7}, second_bits[4] = {0, 1, 6, 5};
+  return 8 * i + (second ? second_bits[bit] : first_bits[bit]);
+}
+
 const double kE2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
 
 struct Problem {
@@ -309,6 +431,13 @@ void launch(const Problem& pr, int rows, int P, const int* ids, cudaStream_t str
                                                                          rows, pr.K);
 }
 
+template <int KS, int U>
+void launch_fp8(const Problem& pr, int rows, int P, const int* ids, cudaStream_t stream) {
+  const size_t smem = (size_t)(pr.K / 64) * 32 * 4 + KS * 17 * 4;
+  gemv_fp8<KS, U><<<dim3(rows / 16, P), KS * 32, smem, stream>>>(pr.codes, pr.scales, pr.x, ids, pr.out, rows,
+                                                                pr.K);
+}
+
 template <int KS, int U, int S>
 void launch_ring(const Problem& pr, int rows, int P, const int* ids, cudaStream_t stream) {
   const size_t smem = (size_t)(pr.K / 64) * 32 * 4 + KS * 16 * 4 + (size_t)KS * S * U * 32 * 20;
@@ -323,8 +452,10 @@ void launch_ring(const Problem& pr, int rows, int P, const int* ids, cudaStream_
 }
 
 // max |out - ref| / sum |terms| over P pairs of `rows` rows against the host decode; exits on a mismatch.
+// max |out - ref| / sum |terms| over P pairs of `rows` rows against the host decode of the MMA layout (fp8: of the
+// fp8 layout); exits on a mismatch.
 template <typename Launch>
-void check(const char* name, const Problem& pr, int rows, int P, Launch launch_one) {
+void check(const char* name, const Problem& pr, int rows, int P, bool fp8, Launch launch_one) {
   CHECK_CUDA(cudaMemset(pr.out, 0xff, (size_t)P * rows * 4));
   launch_one(pr.ids, (cudaStream_t)0);
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -336,25 +467,38 @@ void check(const char* name, const Problem& pr, int rows, int P, Launch launch_o
     const uint8_t* qe = pr.h_codes.data() + (size_t)pr.h_ids[p] * rows * (K / 2);
     const uint8_t* se = pr.h_scales.data() + (size_t)pr.h_ids[p] * rows * (K / 32);
     std::vector<double> ref(rows, 0.0), mag(rows, 0.0);
+    // code of word bits `bits` -> its term; row, col in the band's chunk; scale byte of lane group g
+    auto add = [&](int band, int c, int g, uint32_t w, const int* bits, int row, int col, int scale_byte) {
+      int code = 0;
+      for (int bit = 0; bit < 4; ++bit) code |= ((w >> bits[bit]) & 1) << bit;
+      const int s = se[(size_t)band * 16 * (K / 32) + 32 * c + 4 * g + scale_byte];
+      const double term = kE2m1[code & 7] * (code & 8 ? -1 : 1) * std::ldexp(1.0, s - 127) *
+                          bf16_to_float(pr.h_x[(size_t)p * K + 64 * c + col]);
+      ref[16 * band + row] += term;
+      mag[16 * band + row] += std::fabs(term);
+    };
     for (int band = 0; band < rows / 16; ++band)
       for (int c = 0; c < K / 64; ++c)
         for (int lane = 0; lane < 32; ++lane)
-          for (int step = 0; step < 4; ++step) {
+          for (int wi = 0; wi < 4; ++wi) {
             const int g = lane / 4, t = lane % 4;
             uint32_t w;
-            std::memcpy(&w, qe + (size_t)band * 16 * (K / 2) + 512 * c + 16 * lane + 4 * step, 4);
-            for (int a = 0; a < 2; ++a)
+            std::memcpy(&w, qe + (size_t)band * 16 * (K / 2) + 512 * c + 16 * lane + 4 * wi, 4);
+            int bits[4];
+            if (fp8) {  // word wi = (k32 step wi / 2, half wi % 2); register h: row g + 8 h; byte i: column
               for (int h = 0; h < 2; ++h)
-                for (int i = 0; i < 2; ++i) {
-                  int code = 0;
-                  for (int bit = 0; bit < 4; ++bit) code |= ((w >> source_bit(a, h, i, bit)) & 1) << bit;
-                  const int row = 16 * band + 8 * h + g, col = 64 * c + 16 * step + 8 * a + 2 * t + i;
-                  const int s = se[(size_t)band * 16 * (K / 32) + 32 * c + 4 * g + 2 * h + step / 2];
-                  const double term = kE2m1[code & 7] * (code & 8 ? -1 : 1) * std::ldexp(1.0, s - 127) *
-                                      bf16_to_float(pr.h_x[(size_t)p * K + col]);
-                  ref[row] += term;
-                  mag[row] += std::fabs(term);
+                for (int i = 0; i < 4; ++i) {
+                  for (int bit = 0; bit < 4; ++bit) bits[bit] = fp8_source_bit(h == 1, i, bit);
+                  add(band, c, g, w, bits, 8 * h + g, 32 * (wi / 2) + 16 * (wi % 2) + 4 * t + i, 2 * h + wi / 2);
                 }
+            } else {  // word wi = k16 step; register (a, h); lane i
+              for (int a = 0; a < 2; ++a)
+                for (int h = 0; h < 2; ++h)
+                  for (int i = 0; i < 2; ++i) {
+                    for (int bit = 0; bit < 4; ++bit) bits[bit] = source_bit(a, h, i, bit);
+                    add(band, c, g, w, bits, 8 * h + g, 16 * wi + 8 * a + 2 * t + i, 2 * h + wi / 2);
+                  }
+            }
           }
     for (int r = 0; r < rows; ++r) {
       const double err = std::fabs(got[(size_t)p * rows + r] - ref[r]) / (mag[r] + 1e-30);
@@ -455,14 +599,18 @@ int main() {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs; device copy %.0f GB/s (read + write)\n", prop.name, prop.multiProcessorCount, copy_gbps());
-  check("decode 4/4", pr, 5760, 3,
+  check("decode 4/4", pr, 5760, 3, false,
         [&](const int* ids, cudaStream_t st) { launch<4, 4, MODE_DECODE>(pr, 5760, 3, ids, st); });
-  check("decode 8/2", pr, 2880, 3,
+  check("decode 8/2", pr, 2880, 3, false,
         [&](const int* ids, cudaStream_t st) { launch<8, 2, MODE_DECODE>(pr, 2880, 3, ids, st); });
-  check("ring 4/2/4", pr, 5760, 3,
+  check("ring 4/2/4", pr, 5760, 3, false,
         [&](const int* ids, cudaStream_t st) { launch_ring<4, 2, 4>(pr, 5760, 3, ids, st); });
-  check("ring 4/1/6", pr, 2880, 3,
+  check("ring 4/1/6", pr, 2880, 3, false,
         [&](const int* ids, cudaStream_t st) { launch_ring<4, 1, 6>(pr, 2880, 3, ids, st); });
+  check("fp8 4/4", pr, 5760, 3, true,
+        [&](const int* ids, cudaStream_t st) { launch_fp8<4, 4>(pr, 5760, 3, ids, st); });
+  check("fp8 8/2", pr, 2880, 3, true,
+        [&](const int* ids, cudaStream_t st) { launch_fp8<8, 2>(pr, 2880, 3, ids, st); });
   for (int rows : {5760, 2880}) {
     for (int P : {1, 4, 8}) {
       const double bytes = (double)P * rows * pr.K * 17 / 32;
@@ -471,6 +619,14 @@ int main() {
                  [&](const int* ids, cudaStream_t s) { launch<4, 4, MODE_DECODE>(pr, rows, P, ids, s); });
       time_graph("decode 8/2", pr, rows, P, bytes,
                  [&](const int* ids, cudaStream_t s) { launch<8, 2, MODE_DECODE>(pr, rows, P, ids, s); });
+      time_graph("fp8 4/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_fp8<4, 4>(pr, rows, P, ids, s); });
+      time_graph("fp8 8/2", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_fp8<8, 2>(pr, rows, P, ids, s); });
+      time_graph("fp8 4/2", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_fp8<4, 2>(pr, rows, P, ids, s); });
+      time_graph("fp8 8/4", pr, rows, P, bytes,
+                 [&](const int* ids, cudaStream_t s) { launch_fp8<8, 4>(pr, rows, P, ids, s); });
       time_graph("ring 4/2/4", pr, rows, P, bytes,
                  [&](const int* ids, cudaStream_t s) { launch_ring<4, 2, 4>(pr, rows, P, ids, s); });
       time_graph("ring 4/1/6", pr, rows, P, bytes,
