@@ -20,7 +20,8 @@
 //                place under the mask 0x9C9C9C9C, the other's come from two shifts; a code lands as e2m1 * 2^-6),
 //                the group scales applied to each k32 step's fp32 sums (one FFMA per sum), and the bf16 row split
 //                exactly into two e4m3 rows, hi = e4m3(x s) and lo = e4m3(x s - hi) with s a power of two per row,
-//                as columns 0 and 1 of B (exact for elements within 2^10 of the row's largest)
+//                as columns 0 and 1 of B (exact for elements within 2^10 of the row's largest); on sm_90 ptxas
+//                lowers this MMA to conversions and fp16 MMAs, so it measures that, not an fp8 tensor-core step
 // Per launch: the median of 7 replays of a CUDA graph of 64 launches, each on its own set of experts (no L2 reuse
 // between launches), divided by 64; GB/s counts codes and scales (17 / 32 byte per weight; stream: codes only).
 //
