@@ -94,10 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="what to time (default: the whole op)")
     p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
                    help="expert weight format (default: bf16 weights)")
-    p.add_argument("--local-experts", type=int, default=None, metavar="L",
-                   help="only the first L of the model's E experts here, through an expert_map")
-    p.add_argument("--local-pairs", type=int, default=None, metavar="K",
-                   help="with --local-experts: every input set routes exactly K of its M * topk slots here")
+    add_shard_arguments(p)
     args = p.parse_args(argv)
     if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from
                                       or args.gemv_from or args.zero_rows_in_gemv2):
@@ -108,11 +105,37 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"{opt}: no file {path}")
     if args.table_from is not None and not Path(args.table_from).is_file():
         p.error(f"--table-from: no file {args.table_from}")
+    check_shard_arguments(p, args)
+    return args
+
+
+def add_shard_arguments(p) -> None:
+    """``--local-experts L`` and ``--local-pairs K``: the cell as an expert-parallel shard (this script's and
+    ``profile_fused_experts.py``'s options; ``check_shard_arguments`` validates them)."""
+    p.add_argument("--local-experts", type=int, default=None, metavar="L",
+                   help="only the first L of the model's E experts here, through an expert_map")
+    p.add_argument("--local-pairs", type=int, default=None, metavar="K",
+                   help="with --local-experts: every input set routes exactly K of its M * topk slots here")
+
+
+def check_shard_arguments(p, args) -> None:
+    """``p.error`` where ``add_shard_arguments``' options do not fit together."""
     if args.local_experts is not None and args.local_experts < 1:
         p.error("--local-experts takes a positive count")
     if args.local_pairs is not None and (args.local_experts is None or args.local_pairs < 0):
         p.error("--local-pairs takes a count >= 0, with --local-experts")
-    return args
+
+
+def shard_sets(sets, local: int | None, pairs: int | None, E: int):
+    """The input sets ``[(x, weights, ids)]`` with their routing rerouted by ``with_local_pairs`` (K = ``pairs``
+    slots per set on the first ``local`` experts, the same generator seed for every caller), or as they are
+    without ``pairs``."""
+    if pairs is None:
+        return sets
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    return [(x, g, with_local_pairs(ids, local, E, pairs, gen)) for x, g, ids in sets]
 
 
 class KernelFrom:
@@ -235,10 +258,7 @@ def main(argv=None) -> int:
     E, topk, K, N, M = d["E"], d["topk"], d["K"], d["N"], args.tokens
     w1_ops, w2_ops, expert_map = cell_weights(args.model, args.quant, args.local_experts)
     w1, w2, quant_args = T.fused_call_args(w1_ops, w2_ops)
-    sets = T.make_sets(E, topk, K, M, torch.bfloat16, args.sets)
-    if args.local_pairs is not None:
-        gen = torch.Generator().manual_seed(1)
-        sets = [(x, g, with_local_pairs(ids, args.local_experts, E, args.local_pairs, gen)) for x, g, ids in sets]
+    sets = shard_sets(T.make_sets(E, topk, K, M, torch.bfloat16, args.sets), args.local_experts, args.local_pairs, E)
     n = len(sets)
     table = fe.select_config(M, sets[0][0], fe.WeightOperand.of(w1_ops), fe.WeightOperand.of(w2_ops), topk, None,
                              args.quant, expert_map)

@@ -20,6 +20,14 @@ def test_options():
     args = profile_fused_experts.parse_args(["--model", "gpt-oss-120b", "--tokens", "1", "--quant", "mxfp4_mma",
                                              "--variant", '{"gemm2": {"split_k": 2}}'])
     assert (args.quant, args.variant) == ("mxfp4_mma", '{"gemm2": {"split_k": 2}}')
+    assert (args.activation, args.local_experts, args.local_pairs) == (None, None, None)
+    args = profile_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", "--quant", "fp8_block",
+                                             "--activation", "silu", "--local-experts", "32", "--local-pairs", "1"])
+    assert (args.activation, args.local_experts, args.local_pairs) == ("silu", 32, 1)
+    for bad in (["--local-pairs", "1"], ["--local-experts", "0"], ["--local-experts", "32", "--local-pairs", "-1"],
+                ["--activation", "relu"]):
+        with pytest.raises(SystemExit):
+            profile_fused_experts.parse_args(["--model", "deepseek-v3", "--tokens", "1", *bad])
     with pytest.raises(SystemExit):
         profile_fused_experts.parse_args(["--model", "gpt-oss-120b", "--tokens", "1", "--quant", "int4"])
     with pytest.raises(SystemExit):
