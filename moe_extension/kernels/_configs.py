@@ -447,7 +447,11 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # (llama-4-scout M = 2048 1376.5 against 1406.8, deepseek-v3-tp4 M = 2048 1619.7 against 1615.7)
         # (benchmarks/results/ab_persistent_gemm1_h200.txt; the former rule is the variant of ``python
         # benchmarks/ab_fused_experts.py --model deepseek-v2-lite --tokens 2048 --variant '{"gemm1": {"persistent":
-        # false, "tail_m": 32}}'``, and so on). Its rows copied for TMA loads (tma_a) were slower.
+        # false, "tail_m": 32}}'``, and so on). Its rows copied for TMA loads (tma_a) were slower. Nor do 64-row
+        # tails pay where an expert's last block is mostly padding: qwen3-next-80b-a3b-tp2 M = 8192 (160 rows per
+        # expert) 926.6 against 935.0 us, level within -1.7% to +4.0% on six such cells, and a tiled gemm2 with tails
+        # 0.5-15% slower than the persistent one (benchmarks/results/ab_persistent_tails_h200.txt: ``--variant
+        # '{"gemm1": {"persistent": false, "tail_m": 64}}'``).
         g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True, persistent=True, tail_m=0)
         g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
     # NOTE: a short reduction (at most 8 steps) in 3 stages instead of 4: the stages' shared memory bounds the
