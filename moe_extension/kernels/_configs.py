@@ -661,7 +661,10 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     NOTE: MXFP4, other tiles at gpt-oss-120b M = 1 on the H200, 28.6 us with these: 64-row tiles (gemv1 32 columns of
     gate and up, gemv2 64 rows; twice the programs) 42.5 at the same splits, 39.9-42.4 at others; 128 rows on 8 warps
     46.6 (benchmarks/results/ab_gemv_tiles_h200.txt: ``python benchmarks/ab_fused_experts.py --quant mxfp4_mma --model
-    gpt-oss-120b --tokens 1 --variant '{"gemm1": {"block_n": 32}, "gemm2": {"block_n": 64}}'``)."""
+    gpt-oss-120b --tokens 1 --variant '{"gemm1": {"block_n": 32}, "gemm2": {"block_n": 64}}'``). Fewer stages were
+    slower too: 1 (tiles loaded straight into registers) 38.9, 2 stages 34.1
+    (benchmarks/results/ab_gemv_stages_h200.txt: ``--variant '{"gemm1": {"num_stages": 1}, "gemm2": {"num_stages":
+    1}}'``)."""
     fp8 = quant == "fp8_block"
 
     def split(g: GemmConfig, rows: int, tiles: int, reduction: int) -> GemmConfig:
