@@ -452,7 +452,6 @@ void launch_ring(const Problem& pr, int rows, int P, const int* ids, cudaStream_
                                                                            rows, pr.K);
 }
 
-// max |out - ref| / sum |terms| over P pairs of `rows` rows against the host decode; exits on a mismatch.
 // max |out - ref| / sum |terms| over P pairs of `rows` rows against the host decode of the MMA layout (fp8: of the
 // fp8 layout); exits on a mismatch.
 template <typename Launch>
