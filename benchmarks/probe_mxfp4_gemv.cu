@@ -129,6 +129,29 @@ __device__ __forceinline__ void store_band(const float (&acc)[2][4], float* sums
   }
 }
 
+// The chunks warp, warp + KS, ... of a band (codes and scales from `band_codes` / `band_scales`, a lane's own) in
+// groups of U whose loads are all issued before the first is used: fn(chunk, its four words, its scale bytes).
+template <int KS, int U, typename Fn>
+__device__ __forceinline__ void band_chunks(const uint8_t* band_codes, const uint8_t* band_scales, int chunks, int warp,
+                                            Fn fn) {
+  for (int c0 = warp; c0 < chunks; c0 += KS * U) {
+    uint4 words[U];
+    uint32_t group_scales[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KS;
+      words[u] = c < chunks ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
+      group_scales[u] = c < chunks ? load_stream4(band_scales + 32 * c) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KS;
+      if (c >= chunks) break;
+      fn(c, words[u], group_scales[u]);
+    }
+  }
+}
+
 // out[p, band rows] = W[ids[p], band rows, :] x[p, :]: grid (rows / 16, P), KS warps per block.
 template <int KS, int U, int MODE>
 __global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict__ codes,
@@ -154,26 +177,12 @@ __global__ void __launch_bounds__(KS * 32) gemv_decode(const uint8_t* __restrict
   const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   uint32_t folded = 0;
-  for (int c0 = warp; c0 < chunks; c0 += KS * U) {
-    uint4 words[U];
-    uint32_t group_scales[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * KS;
-      words[u] = c < chunks ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
-      group_scales[u] = c < chunks ? load_stream4(band_scales + 32 * c) : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * KS;
-      if (c >= chunks) break;
-      if (MODE != MODE_DECODE) {
-        folded ^= words[u].x ^ words[u].y ^ words[u].z ^ words[u].w ^ group_scales[u];
-        continue;
-      }
-      decode_chunk(acc, words[u], group_scales[u], x_frag + c * 32, t);
-    }
-  }
+  band_chunks<KS, U>(band_codes, band_scales, chunks, warp, [&](int c, uint4 words, uint32_t group_scales) {
+    if (MODE != MODE_DECODE)
+      folded ^= words.x ^ words.y ^ words.z ^ words.w ^ group_scales;
+    else
+      decode_chunk(acc, words, group_scales, x_frag + c * 32, t);
+  });
   if (MODE != MODE_DECODE) {  // keeps the loads; not a result
     acc[0][0] = __uint_as_float(folded & 0x007fffffu);
     acc[1][0] = 0.f;
@@ -269,22 +278,9 @@ __global__ void __launch_bounds__(KS * 32) gemv_fp8(const uint8_t* __restrict__ 
   const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
   const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  for (int c0 = warp; c0 < chunks; c0 += KS * U) {
-    uint4 words[U];
-    uint32_t group_scales[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * KS;
-      words[u] = c < chunks ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
-      group_scales[u] = c < chunks ? load_stream4(band_scales + 32 * c) : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u * KS;
-      if (c >= chunks) break;
-      decode_chunk_fp8(acc, words[u], group_scales[u], x_frag + c * 32, g, t);
-    }
-  }
+  band_chunks<KS, U>(band_codes, band_scales, chunks, warp, [&](int c, uint4 words, uint32_t group_scales) {
+    decode_chunk_fp8(acc, words, group_scales, x_frag + c * 32, g, t);
+  });
   store_band<KS, true>(acc, sums, out + (size_t)p * rows + band * 16, warp, g, t, 64.f / row_scale);
 }
 
