@@ -22,10 +22,14 @@
 //                exactly into two e4m3 rows, hi = e4m3(x s) and lo = e4m3(x s - hi) with s a power of two per row,
 //                as columns 0 and 1 of B (exact for elements within 2^10 of the row's largest); on sm_90 ptxas
 //                lowers this MMA to conversions and fp16 MMAs, so it measures that, not an fp8 tensor-core step
+//   wgmma U      the fp8 form on the tensor cores: wgmma m64n8k32 e4m3 with A (the placed codes) in registers and the
+//                hi / lo row as B tiles in shared memory; a block is one warpgroup on 64 rows, the chunks in groups of
+//                U, each group's 2U wgmmas issued before one wait, then the group scales applied
 // Per launch: the median of 7 replays of a CUDA graph of 64 launches, each on its own set of experts (no L2 reuse
 // between launches), divided by 64; GB/s counts codes and scales (17 / 32 byte per weight; stream: codes only).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/probe_mxfp4_gemv benchmarks/probe_mxfp4_gemv.cu && /tmp/probe_mxfp4_gemv
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/probe_mxfp4_gemv benchmarks/probe_mxfp4_gemv.cu \
+//     && /tmp/probe_mxfp4_gemv
 //
 // Not used by the library. benchmarks/results/probe_mxfp4_gemv_h200.txt holds a run.
 #include <cuda_bf16.h>
@@ -284,6 +288,126 @@ __global__ void __launch_bounds__(KS * 32) gemv_fp8(const uint8_t* __restrict__ 
   store_band<KS, true>(acc, sums, out + (size_t)p * rows + band * 16, warp, g, t, 64.f / row_scale);
 }
 
+// wgmma of one warpgroup: D [64 x 8] fp32 = A (e4m3 fragments in registers, the mma.m16n8k32 layout per warp) times B
+// (8 columns of 32 e4m3 in shared memory, described by `desc`), D not accumulated (scale-d 0).
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(0));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_done(float (&d)[4]) {  // the registers hold the results from here on
+  asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
+}
+
+// Shared-memory matrix descriptor of a B tile without swizzle: start address, the byte offsets between core
+// matrices (8 rows of 16 bytes) along K (`k_stride`) and along N (`n_stride`).
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t k_stride, uint32_t n_stride) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  return (uint64_t)((a >> 4) & 0x3FFF) | ((uint64_t)((k_stride >> 4) & 0x3FFF) << 16) |
+         ((uint64_t)((n_stride >> 4) & 0x3FFF) << 32);
+}
+
+// The fp8 form on wgmma: a block (one warpgroup) takes 64 rows, warp w the band 4 * block + w (fp8 layout), the
+// chunks in groups of U: their loads issued together, all 2U k32 steps' A fragments placed, then 2U wgmmas into their
+// own sums, one wait, the group scales applied. The row split into e4m3 hi and lo as in gemv_fp8, staged as B tiles of
+// 8 columns (hi, lo, zeros) per k32 step. `k_stride` / `n_stride`: the descriptor's two core-matrix offsets.
+template <int U>
+__global__ void __launch_bounds__(128) gemv_wgmma(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                                  const __nv_bfloat16* __restrict__ x, const int* __restrict__ ids,
+                                                  float* __restrict__ out, int rows, int K, uint32_t k_stride,
+                                                  uint32_t n_stride) {
+  extern __shared__ __align__(128) uint8_t smem_b[];  // B tiles [K / 32][256 B], [64] sums, [4] maxima
+  const int blk = blockIdx.x, p = blockIdx.y, e = ids[p];
+  const int chunks = K / 64, steps = K / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  float* sums = reinterpret_cast<float*>(smem_b + steps * 256);
+  float* maxima = sums + 64;
+  const __nv_bfloat16* xr = x + (size_t)p * K;
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < K; i += 128) amax = fmaxf(amax, fabsf(__bfloat162float(xr[i])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (lane == 0) maxima[warp] = amax;
+  uint32_t* b_words = reinterpret_cast<uint32_t*>(smem_b);
+  for (int i = threadIdx.x; i < steps * 64; i += 128) b_words[i] = 0u;
+  __syncthreads();
+  amax = fmaxf(fmaxf(maxima[0], maxima[1]), fmaxf(maxima[2], maxima[3]));
+  const float row_scale = amax > 0.f ? ldexpf(1.f, ilogbf(448.f / amax)) : 1.f;
+  // B tile of step s: core matrix j (k 16j .. 16j + 15) at 128 j, its row n (column n of B) at 16 n; n 0: hi, 1: lo
+  for (int k = threadIdx.x; k < K; k += 128) {
+    const float v = __bfloat162float(xr[k]) * row_scale;
+    const __nv_fp8_e4m3 hi(v), lo(v - float(__nv_fp8_e4m3(v)));
+    uint8_t* tile = smem_b + (k >> 5) * 256 + ((k >> 4) & 1) * 128 + (k & 15);
+    tile[0] = hi.__x;
+    tile[16] = lo.__x;
+  }
+  __syncthreads();
+  const int band = 4 * blk + warp;
+  const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
+  const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = 0; c0 < chunks; c0 += U) {
+    uint4 words[U];
+    uint32_t group_scales[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u;
+      words[u] = c < chunks ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
+      group_scales[u] = c < chunks ? load_stream4(band_scales + 32 * c) : 0u;
+    }
+    // past the last chunk: zero codes times the last step's B (no branch: a divergent path serializes the wgmmas)
+    uint32_t a[U][2][4];
+    float d[U][2][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t ws[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        a[u][step][0] = fp8_first(ws[2 * step]);
+        a[u][step][1] = fp8_second(ws[2 * step]);
+        a[u][step][2] = fp8_first(ws[2 * step + 1]);
+        a[u][step][3] = fp8_second(ws[2 * step + 1]);
+        d[u][step][0] = d[u][step][1] = d[u][step][2] = d[u][step][3] = 0.f;
+      }
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + u, chunks - 1);
+#pragma unroll
+      for (int step = 0; step < 2; ++step)
+        wgmma_e4m3(d[u][step], a[u][step][0], a[u][step][1], a[u][step][2], a[u][step][3],
+                   smem_desc(smem_b + (2 * c + step) * 256, k_stride, n_stride));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        wgmma_done(d[u][step]);
+        const float f_g = e8m0(group_scales[u], step), f_h = e8m0(group_scales[u], 2 + step);
+        acc[0] = fmaf(f_g, d[u][step][0], acc[0]);
+        acc[1] = fmaf(f_g, d[u][step][1], acc[1]);
+        acc[2] = fmaf(f_h, d[u][step][2], acc[2]);
+        acc[3] = fmaf(f_h, d[u][step][3], acc[3]);
+      }
+    }
+  }
+  if (t == 0) {
+    sums[16 * warp + g] = acc[0] + acc[1];
+    sums[16 * warp + g + 8] = acc[2] + acc[3];
+  }
+  __syncthreads();
+  if (threadIdx.x < 64) out[(size_t)p * rows + 64 * blk + threadIdx.x] = sums[threadIdx.x] * (64.f / row_scale);
+}
+
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src));
 }
@@ -435,6 +559,14 @@ void launch_fp8(const Problem& pr, int rows, int P, const int* ids, cudaStream_t
                                                                 pr.K);
 }
 
+template <int U>
+void launch_wgmma(const Problem& pr, int rows, int P, const int* ids, cudaStream_t stream, uint32_t k_stride,
+                  uint32_t n_stride) {
+  const size_t smem = (size_t)(pr.K / 32) * 256 + 68 * 4;
+  gemv_wgmma<U><<<dim3(rows / 64, P), 128, smem, stream>>>(pr.codes, pr.scales, pr.x, ids, pr.out, rows, pr.K,
+                                                           k_stride, n_stride);
+}
+
 template <int KS, int U, int S>
 void launch_ring(const Problem& pr, int rows, int P, const int* ids, cudaStream_t stream) {
   const size_t smem = (size_t)(pr.K / 64) * 32 * 4 + KS * 16 * 4 + (size_t)KS * S * U * 32 * 20;
@@ -449,9 +581,9 @@ void launch_ring(const Problem& pr, int rows, int P, const int* ids, cudaStream_
 }
 
 // max |out - ref| / sum |terms| over P pairs of `rows` rows against the host decode of the MMA layout (fp8: of the
-// fp8 layout); exits on a mismatch.
+// fp8 layout); on a mismatch exits, or with `fatal` false says so and returns false.
 template <typename Launch>
-void check(const char* name, const Problem& pr, int rows, int P, bool fp8, Launch launch_one) {
+bool check(const char* name, const Problem& pr, int rows, int P, bool fp8, Launch launch_one, bool fatal = true) {
   CHECK_CUDA(cudaMemset(pr.out, 0xff, (size_t)P * rows * 4));
   launch_one(pr.ids, (cudaStream_t)0);
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -500,12 +632,14 @@ void check(const char* name, const Problem& pr, int rows, int P, bool fp8, Launc
       const double err = std::fabs(got[(size_t)p * rows + r] - ref[r]) / (mag[r] + 1e-30);
       if (!(err < 1e-2)) {
         std::printf("%s: pair %d row %d: %g, expected %g\n", name, p, r, got[(size_t)p * rows + r], ref[r]);
-        std::exit(1);
+        if (fatal) std::exit(1);
+        return false;
       }
       worst = std::max(worst, err);
     }
   }
   std::printf("%s rows %d, %d pairs: max |out - ref| / sum |terms| = %.2e\n", name, rows, P, worst);
+  return true;
 }
 
 template <typename Launch>
@@ -607,6 +741,20 @@ int main() {
         [&](const int* ids, cudaStream_t st) { launch_fp8<4, 4>(pr, 5760, 3, ids, st); });
   check("fp8 8/2", pr, 2880, 3, true,
         [&](const int* ids, cudaStream_t st) { launch_fp8<8, 2>(pr, 2880, 3, ids, st); });
+  // The descriptor's core-matrix offsets: 128 bytes along K, 256 along N, else the other way round.
+  uint32_t k_stride = 128, n_stride = 256;
+  bool wgmma_ok = check("wgmma 4", pr, 5760, 3, true, [&](const int* ids, cudaStream_t st) {
+    launch_wgmma<4>(pr, 5760, 3, ids, st, k_stride, n_stride);
+  }, false);
+  if (!wgmma_ok) {
+    std::swap(k_stride, n_stride);
+    wgmma_ok = check("wgmma 4, offsets swapped", pr, 5760, 3, true, [&](const int* ids, cudaStream_t st) {
+      launch_wgmma<4>(pr, 5760, 3, ids, st, k_stride, n_stride);
+    }, false);
+  }
+  if (wgmma_ok)
+    check("wgmma 8", pr, 2880, 3, true,
+          [&](const int* ids, cudaStream_t st) { launch_wgmma<8>(pr, 2880, 3, ids, st, k_stride, n_stride); });
   for (int rows : {5760, 2880}) {
     for (int P : {1, 4, 8}) {
       const double bytes = (double)P * rows * pr.K * 17 / 32;
@@ -623,6 +771,17 @@ int main() {
                  [&](const int* ids, cudaStream_t s) { launch_fp8<4, 2>(pr, rows, P, ids, s); });
       time_graph("fp8 8/4", pr, rows, P, bytes,
                  [&](const int* ids, cudaStream_t s) { launch_fp8<8, 4>(pr, rows, P, ids, s); });
+      if (wgmma_ok) {
+        time_graph("wgmma 2", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma<2>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 4", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma<4>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 8", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma<8>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+      }
       time_graph("ring 4/2/4", pr, rows, P, bytes,
                  [&](const int* ids, cudaStream_t s) { launch_ring<4, 2, 4>(pr, rows, P, ids, s); });
       time_graph("ring 4/1/6", pr, rows, P, bytes,
