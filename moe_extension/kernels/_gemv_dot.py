@@ -45,13 +45,14 @@ benchmarks/results/ab_decode_pipes_h200.txt, section 3d).
 
 NOTE: MXFP4's GEMVs stream their weights at about half the rate of a plain read of the same bytes; a CUDA kernel
 of this form did not change that: fragment words loaded straight into registers, decoded there and fed to mma.sync,
-took 15.4-15.7 us for gpt-oss-120b's first GEMV at M = 1 on the H200 against 16.2 for gemv1 here (eager), 11.4 for its
+took 15.3-15.7 us for gpt-oss-120b's first GEMV at M = 1 on the H200 against 16.2 for gemv1 here (eager), 11.4 for its
 own loads and 8.8 for a streaming read of the codes (second GEMV 9.1 against 11.1, 5.2 streamed), and no less with
-its loads kept in flight by cp.async while its warps decoded (16.0-19.4): not load latency bounds it (which pipe does
+its loads kept in flight by cp.async while its warps decoded (15.9-19.3): not load latency bounds it (which pipe does
 was not profiled). Nor an fp8 form of it (codes placed as e4m3 in 5 integer instructions per word instead of 13, the
-bf16 row split exactly into e4m3 hi and lo columns, mma.sync m16n8k32): 22.2 us against 15.7, since sm_90 runs that
-MMA as conversions and fp16 MMAs (benchmarks/results/probe_mxfp4_gemv_h200.txt: ``nvcc -O3 -std=c++17 -arch=sm_90a
--o /tmp/probe_mxfp4_gemv benchmarks/probe_mxfp4_gemv.cu && /tmp/probe_mxfp4_gemv``).
+bf16 row split exactly into e4m3 hi and lo columns): on mma.sync m16n8k32 22.2 us against 15.7, since sm_90 runs that
+MMA as conversions and fp16 MMAs; on wgmma m64n8k32, one warpgroup per 64 rows over all of K, 14.7 for the first GEMV
+but 11.7 for the second (benchmarks/results/probe_mxfp4_gemv_h200.txt: ``nvcc -O3 -std=c++17 -gencode
+arch=compute_90a,code=sm_90a -o /tmp/probe_mxfp4_gemv benchmarks/probe_mxfp4_gemv.cu && /tmp/probe_mxfp4_gemv``).
 
 PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
 before it waits for the previous kernel (``_launch.grid_dependency``); the activations, the counters and every store
