@@ -25,6 +25,8 @@
 //   wgmma U      the fp8 form on the tensor cores: wgmma m64n8k32 e4m3 with A (the placed codes) in registers and the
 //                hi / lo row as B tiles in shared memory; a block is one warpgroup on 64 rows, the chunks in groups of
 //                U, each group's 2U wgmmas issued before one wait, then the group scales applied
+//   wgmma U split S  the same with the reduction split S ways over blocks (a row scale per split), the partial sums
+//                in a workspace and summed in split order by the block of each row tile that counts last
 // Per launch: the median of 7 replays of a CUDA graph of 64 launches, each on its own set of experts (no L2 reuse
 // between launches), divided by 64; GB/s counts codes and scales (17 / 32 byte per weight; stream: codes only).
 //
@@ -408,6 +410,121 @@ __global__ void __launch_bounds__(128) gemv_wgmma(const uint8_t* __restrict__ co
   if (threadIdx.x < 64) out[(size_t)p * rows + 64 * blk + threadIdx.x] = sums[threadIdx.x] * (64.f / row_scale);
 }
 
+// gemv_wgmma with the reduction split S ways: block (blk, p, s) takes chunks [s cps, min(chunks, (s + 1) cps)) (cps =
+// ceil(chunks / S)) with a row scale of its own columns, stores its 64 partial sums in `part` [S][P][rows], and the
+// block that counts last for (p, blk) in `cnt` (which it resets to 0 for the next launch) sums the S partials in
+// split order into out: a fixed order whichever block arrives last.
+template <int U, int S>
+__global__ void __launch_bounds__(128) gemv_wgmma_split(const uint8_t* __restrict__ codes,
+                                                        const uint8_t* __restrict__ scales,
+                                                        const __nv_bfloat16* __restrict__ x, const int* __restrict__ ids,
+                                                        float* __restrict__ out, float* __restrict__ part,
+                                                        int* __restrict__ cnt, int rows, int K, uint32_t k_stride,
+                                                        uint32_t n_stride) {
+  extern __shared__ __align__(128) uint8_t smem_b[];  // B tiles [2 cps][256 B], [64] sums, [4] maxima, [1] flag
+  const int blk = blockIdx.x, p = blockIdx.y, s = blockIdx.z, e = ids[p], P = gridDim.y;
+  const int chunks = K / 64, cps = (chunks + S - 1) / S;
+  const int c_begin = min(chunks, s * cps), c_end = min(chunks, c_begin + cps), mine = c_end - c_begin;
+  const int k_begin = 64 * c_begin, k_end = 64 * c_end;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  float* sums = reinterpret_cast<float*>(smem_b + cps * 512);
+  float* maxima = sums + 64;
+  int* last = reinterpret_cast<int*>(maxima + 4);
+  const __nv_bfloat16* xr = x + (size_t)p * K;
+  float amax = 0.f;
+  for (int i = k_begin + threadIdx.x; i < k_end; i += 128) amax = fmaxf(amax, fabsf(__bfloat162float(xr[i])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (lane == 0) maxima[warp] = amax;
+  uint32_t* b_words = reinterpret_cast<uint32_t*>(smem_b);
+  for (int i = threadIdx.x; i < cps * 128; i += 128) b_words[i] = 0u;
+  __syncthreads();
+  amax = fmaxf(fmaxf(maxima[0], maxima[1]), fmaxf(maxima[2], maxima[3]));
+  const float row_scale = amax > 0.f ? ldexpf(1.f, ilogbf(448.f / amax)) : 1.f;
+  for (int k = k_begin + threadIdx.x; k < k_end; k += 128) {
+    const float v = __bfloat162float(xr[k]) * row_scale;
+    const __nv_fp8_e4m3 hi(v), lo(v - float(__nv_fp8_e4m3(v)));
+    const int kl = k - k_begin;
+    uint8_t* tile = smem_b + (kl >> 5) * 256 + ((kl >> 4) & 1) * 128 + (kl & 15);
+    tile[0] = hi.__x;
+    tile[16] = lo.__x;
+  }
+  __syncthreads();
+  const int band = 4 * blk + warp;
+  const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
+  const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = 0; c0 < mine; c0 += U) {
+    uint4 words[U];
+    uint32_t group_scales[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c_begin + c0 + u;
+      words[u] = c < c_end ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
+      group_scales[u] = c < c_end ? load_stream4(band_scales + 32 * c) : 0u;
+    }
+    uint32_t a[U][2][4];
+    float d[U][2][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t ws[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        a[u][step][0] = fp8_first(ws[2 * step]);
+        a[u][step][1] = fp8_second(ws[2 * step]);
+        a[u][step][2] = fp8_first(ws[2 * step + 1]);
+        a[u][step][3] = fp8_second(ws[2 * step + 1]);
+        d[u][step][0] = d[u][step][1] = d[u][step][2] = d[u][step][3] = 0.f;
+      }
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int cl = min(c0 + u, mine - 1);  // past the last chunk: zero codes times the last step's B
+#pragma unroll
+      for (int step = 0; step < 2; ++step)
+        wgmma_e4m3(d[u][step], a[u][step][0], a[u][step][1], a[u][step][2], a[u][step][3],
+                   smem_desc(smem_b + (2 * cl + step) * 256, k_stride, n_stride));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        wgmma_done(d[u][step]);
+        const float f_g = e8m0(group_scales[u], step), f_h = e8m0(group_scales[u], 2 + step);
+        acc[0] = fmaf(f_g, d[u][step][0], acc[0]);
+        acc[1] = fmaf(f_g, d[u][step][1], acc[1]);
+        acc[2] = fmaf(f_h, d[u][step][2], acc[2]);
+        acc[3] = fmaf(f_h, d[u][step][3], acc[3]);
+      }
+    }
+  }
+  if (t == 0) {
+    sums[16 * warp + g] = acc[0] + acc[1];
+    sums[16 * warp + g + 8] = acc[2] + acc[3];
+  }
+  __syncthreads();
+  const size_t row = (size_t)64 * blk + threadIdx.x;
+  if (threadIdx.x < 64) part[((size_t)s * P + p) * rows + row] = sums[threadIdx.x] * (64.f / row_scale);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int arrived = atomicAdd(cnt + p * gridDim.x + blk, 1);
+    *last = arrived == S - 1;
+    if (arrived == S - 1) cnt[p * gridDim.x + blk] = 0;
+  }
+  __syncthreads();
+  if (*last && threadIdx.x < 64) {
+    __threadfence();
+    float v = 0.f;
+#pragma unroll
+    for (int ss = 0; ss < S; ++ss) v += __ldcg(part + ((size_t)ss * P + p) * rows + row);
+    out[(size_t)p * rows + row] = v;
+  }
+}
+
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src));
 }
@@ -540,6 +657,8 @@ struct Problem {
   __nv_bfloat16* x;
   int* ids;
   float* out;
+  float* part;  // split partial sums [8][max_pairs][max_rows]
+  int* cnt;     // split counters [max_pairs][max_rows / 64], zero between launches
   std::vector<uint8_t> h_codes, h_scales;
   std::vector<uint16_t> h_x;
   std::vector<int> h_ids;
@@ -565,6 +684,15 @@ void launch_wgmma(const Problem& pr, int rows, int P, const int* ids, cudaStream
   const size_t smem = (size_t)(pr.K / 32) * 256 + 68 * 4;
   gemv_wgmma<U><<<dim3(rows / 64, P), 128, smem, stream>>>(pr.codes, pr.scales, pr.x, ids, pr.out, rows, pr.K,
                                                            k_stride, n_stride);
+}
+
+template <int U, int S>
+void launch_wgmma_split(const Problem& pr, int rows, int P, const int* ids, cudaStream_t stream, uint32_t k_stride,
+                        uint32_t n_stride) {
+  const int cps = (pr.K / 64 + S - 1) / S;
+  const size_t smem = (size_t)cps * 512 + 69 * 4;
+  gemv_wgmma_split<U, S><<<dim3(rows / 64, P, S), 128, smem, stream>>>(pr.codes, pr.scales, pr.x, ids, pr.out, pr.part,
+                                                                      pr.cnt, rows, pr.K, k_stride, n_stride);
 }
 
 template <int KS, int U, int S>
@@ -721,6 +849,9 @@ int main() {
   CHECK_CUDA(cudaMalloc(&pr.x, pr.h_x.size() * 2));
   CHECK_CUDA(cudaMalloc(&pr.ids, pr.h_ids.size() * 4));
   CHECK_CUDA(cudaMalloc(&pr.out, (size_t)pr.max_pairs * pr.max_rows * 4));
+  CHECK_CUDA(cudaMalloc(&pr.part, (size_t)8 * pr.max_pairs * pr.max_rows * 4));
+  CHECK_CUDA(cudaMalloc(&pr.cnt, (size_t)pr.max_pairs * (pr.max_rows / 64) * 4));
+  CHECK_CUDA(cudaMemset(pr.cnt, 0, (size_t)pr.max_pairs * (pr.max_rows / 64) * 4));
   CHECK_CUDA(cudaMemcpy(pr.codes, pr.h_codes.data(), pr.h_codes.size(), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(pr.scales, pr.h_scales.data(), pr.h_scales.size(), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(pr.x, pr.h_x.data(), pr.h_x.size() * 2, cudaMemcpyHostToDevice));
@@ -755,6 +886,14 @@ int main() {
   if (wgmma_ok)
     check("wgmma 8", pr, 2880, 3, true,
           [&](const int* ids, cudaStream_t st) { launch_wgmma<8>(pr, 2880, 3, ids, st, k_stride, n_stride); });
+  if (wgmma_ok) {
+    check("wgmma 4 split 4", pr, 5760, 3, true, [&](const int* ids, cudaStream_t st) {
+      launch_wgmma_split<4, 4>(pr, 5760, 3, ids, st, k_stride, n_stride);
+    });
+    check("wgmma 3 split 8", pr, 2880, 3, true, [&](const int* ids, cudaStream_t st) {
+      launch_wgmma_split<3, 8>(pr, 2880, 3, ids, st, k_stride, n_stride);
+    });
+  }
   for (int rows : {5760, 2880}) {
     for (int P : {1, 4, 8}) {
       const double bytes = (double)P * rows * pr.K * 17 / 32;
@@ -780,6 +919,24 @@ int main() {
         });
         time_graph("wgmma 8", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
           launch_wgmma<8>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 4 split 2", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma_split<4, 2>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 8 split 2", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma_split<8, 2>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 4 split 4", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma_split<4, 4>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 6 split 4", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma_split<6, 4>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 3 split 8", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma_split<3, 8>(pr, rows, P, ids, s, k_stride, n_stride);
+        });
+        time_graph("wgmma 6 split 8", pr, rows, P, bytes, [&](const int* ids, cudaStream_t s) {
+          launch_wgmma_split<6, 8>(pr, rows, P, ids, s, k_stride, n_stride);
         });
       }
       time_graph("ring 4/2/4", pr, rows, P, bytes,
