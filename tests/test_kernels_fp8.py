@@ -545,6 +545,21 @@ def test_direct_gemv_splits_follow_the_local_pairs(monkeypatch):
         configs.dot_gemv_direct(1, 2048, 7168, 132, "fp8_block"), torch.bfloat16, 2048, 7168, 8, "fp8_block")
 
 
+@pytest.mark.parametrize("pairs,N,stages", [(8, 2048, 3), (8, 512, 3), (16, 2048, 4), (1, 2048, 4), (6, 2048, 3),
+                                             (5, 2048, 4)])
+def test_fp8_gemv2_stages_for_one_wave(pairs, N, stages):
+    """fp8 block's second direct GEMV (K 7168: 112 tiles of 64 rows per pair) takes 3 stages only where that puts all
+    its programs on 132 SMs at once (7 per SM at 30 KB; 5 at 40 KB in 4 stages): 6 to 8 pairs; fewer fit in 4 stages,
+    more need several waves either way. Sanitizing keeps it."""
+    cfg = configs.dot_gemv_direct(pairs, N, 7168, 132, "fp8_block")
+    assert cfg.gemm2.num_stages == stages and cfg.gemm2.split_k == (4 if pairs == 1 else 1)
+    assert cfg.gemm1.num_stages == 3
+    clean = configs.sanitize(cfg, torch.bfloat16, N, 7168, 8, "fp8_block")
+    assert clean.gemm2.num_stages == stages
+    assert configs.heuristic_config(1, 256, N, 7168, 8, torch.bfloat16, True, True, quant="fp8_block").gemm2 == (
+        configs.dot_gemv_direct(8, N, 7168, 132, "fp8_block").gemm2)
+
+
 def test_heuristic_forced_schedule():
     """``path`` forces either schedule in the heuristic (``ab_fused_experts.py --other-schedule``); None follows
     ``use_direct``."""

@@ -645,7 +645,8 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     quant "none": 16-bit dense weights, ``shard_dot_gemvs``) for ``pairs`` (token, slot) pairs on these experts (the
     programs of other pairs exit at once): 128 weight rows on 4 warps per tile (gemm1: 64 columns of gate and up),
     128-column steps, 3 stages (16-bit dense: 4 stages or 64-row tiles were slower, ``shard_dot_gemvs``'s A/B); fp8
-    block: gemm1 128 columns (256 rows, see ``fp8_gemv_tiles``), gemm2 64 rows in 4 stages. Each reduction splits in
+    block: gemm1 128 columns (256 rows, see ``fp8_gemv_tiles``), gemm2 64 rows in 4 stages (3 where that makes one
+    wave, ``_one_wave_stages``). Each reduction splits in
     two while twice its programs still fit on the GPU at once: per SM as many as their pipelined tiles' shared memory
     allows (``gemv_smem``), at most 4, so that every program streams from the start and none waits for a second wave.
     NOTE: the rule gives the tuner's picks on the H100 (``python benchmarks/tune_fused_experts.py --quant mxfp4_mma
@@ -681,7 +682,33 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     bn2 = 64 if fp8 else 128
     g2 = split(GemmConfig(block_n=bn2, block_k=128, num_warps=4, num_stages=4 if fp8 else 3, group_m=0, dot=dense),
                bn2, pairs * math.ceil(K / bn2), N)
+    if fp8:
+        g2 = _one_wave_stages(g2, bn2, pairs * math.ceil(K / bn2) * g2.split_k, quant, num_sms)
     return MoeConfig("direct", 0, g1, g2)
+
+
+# NOTE: shared memory that the driver reserves per program (block) on sm_90, beside its own.
+BLOCK_RESERVED_SHARED_MEMORY = 1024
+
+
+def _one_wave_stages(g: GemmConfig, rows: int, programs: int, quant: str, num_sms: int) -> GemmConfig:
+    """A direct tensor-core GEMV of ``programs`` programs in 4 stages: 3 instead where only that puts them all on the
+    GPU at once (one wave: per SM as many as their shared memory allows, ``gemv_smem`` plus the driver's reserve;
+    fp8 block's second GEMV holds 48 registers on 4 warps, so its shared memory is what bounds it), else unchanged.
+    NOTE: fp8 block's second GEMV at M = 1 with topk 8 and K 7168 (896 programs of 64 rows: 5 per SM at 40 KB in 4
+    stages, 660 at once on 132 SMs; 7 at 30 KB in 3, 924), H200, silu, CUDA-graph medians of 5 interleaved rounds,
+    outputs bitwise equal: DeepSeek-V3 93.7 -> 91.3 us (gemv2 alone 34.2 -> 31.5 eager), its TP-4 shard (N 512) 34.3
+    -> 31.1 (14.8 -> 11.2) (benchmarks/results/ab_fp8_gemv2_stages_h200.txt: ``python benchmarks/ab_fused_experts.py
+    --quant fp8_block --model deepseek-v3 --activation silu --tokens 1 --variant '{"gemm2": {"num_stages": 4}}'``);
+    where 4 stages need several waves anyway (M = 2 and 4: 1792 and 3584 programs) 3 stages were level (177.0
+    against 176.8 us, 338.4 against 337.4), so the rule takes them only for the one wave."""
+    def fit(stages: int) -> int:
+        per_sm = SM_SHARED_MEMORY // (gemv_smem(stages, rows, quant) + BLOCK_RESERVED_SHARED_MEMORY)
+        return per_sm * num_sms
+
+    if g.num_stages == 4 and fit(4) < programs <= fit(3):
+        g = dataclasses.replace(g, num_stages=3)
+    return g
 
 
 def gemv_smem(stages: int, rows: int, quant: str) -> int:
