@@ -51,7 +51,8 @@ its loads kept in flight by cp.async while its warps decoded (15.9-19.3): not lo
 was not profiled). Nor an fp8 form of it (codes placed as e4m3 in 5 integer instructions per word instead of 13, the
 bf16 row split exactly into e4m3 hi and lo columns): on mma.sync m16n8k32 22.2 us against 15.7, since sm_90 runs that
 MMA as conversions and fp16 MMAs; on wgmma m64n8k32, one warpgroup per 64 rows over all of K, 14.7 for the first GEMV
-but 11.7 for the second (benchmarks/results/probe_mxfp4_gemv_h200.txt: ``nvcc -O3 -std=c++17 -gencode
+but 11.7 for the second, and with K split over 2 to 8 blocks 18.2-30.3 and 10.4-16.6 (faster only at one pair)
+(benchmarks/results/probe_mxfp4_gemv_h200.txt: ``nvcc -O3 -std=c++17 -gencode
 arch=compute_90a,code=sm_90a -o /tmp/probe_mxfp4_gemv benchmarks/probe_mxfp4_gemv.cu && /tmp/probe_mxfp4_gemv``).
 
 PDL (launched with programmatic dependent launch): a program reads only the call's inputs (ids, map, router weights)
