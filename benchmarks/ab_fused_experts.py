@@ -32,6 +32,9 @@ swapped in for the call, as the PDL options above swap launchers.
 ``--gemv-from FILE`` adds it with the direct schedule's tensor-core GEMV kernels of another version of
 ``moe_extension/kernels/_gemv_dot.py`` (``git show REV:moe_extension/kernels/_gemv_dot.py > FILE``), launched by this
 version's launchers (launch options that the other kernels do not take left out).
+``--grouped-gemm-from FILE`` adds it with the kernels of another version of ``moe_extension/kernels/_grouped_gemm.py``
+(``git show REV:moe_extension/kernels/_grouped_gemm.py > FILE``: the sorted schedule's GEMMs, slot sum and row copy,
+and the FMA GEMVs), that module swapped in for the call.
 ``--local-pairs K`` (with ``--local-experts``) reroutes every input set so that exactly K of its slots are local.
 ``--quant`` times MXFP4 (``mxfp4``, ``mxfp4_mma``) or fp8 block weights (the tuner's random stacks) instead of
 bf16, and ``--local-experts L`` the first L of the model's E experts on this GPU (an ``expert_map`` over E;
@@ -90,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the table config with the route() of this copy of kernels/_routing.py")
     p.add_argument("--gemv-from", default=None, metavar="FILE",
                    help="also time the table config with the direct GEMV kernels of this copy of kernels/_gemv_dot.py")
+    p.add_argument("--grouped-gemm-from", default=None, metavar="FILE",
+                   help="also time the table config with the kernels of this copy of kernels/_grouped_gemm.py")
     p.add_argument("--op", default="fused_experts", choices=["fused_experts", "expert_gemm2"],
                    help="what to time (default: the whole op)")
     p.add_argument("--quant", choices=("none", "mxfp4", "mxfp4_mma", "fp8_block"), default="none",
@@ -97,10 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_shard_arguments(p)
     args = p.parse_args(argv)
     if args.op == "expert_gemm2" and (args.no_pdl or args.persistent_pdl or args.direct_pdl or args.routing_from
-                                      or args.gemv_from or args.zero_rows_in_gemv2):
-        p.error("--no-pdl, --persistent-pdl, --direct-pdl, --routing-from, --gemv-from and --zero-rows-in-gemv2 time "
-                "fused_experts only")
-    for opt, path in (("--routing-from", args.routing_from), ("--gemv-from", args.gemv_from)):
+                                      or args.gemv_from or args.grouped_gemm_from or args.zero_rows_in_gemv2):
+        p.error("--no-pdl, --persistent-pdl, --direct-pdl, --routing-from, --gemv-from, --grouped-gemm-from and "
+                "--zero-rows-in-gemv2 time fused_experts only")
+    for opt, path in (("--routing-from", args.routing_from), ("--gemv-from", args.gemv_from),
+                      ("--grouped-gemm-from", args.grouped_gemm_from)):
         if path is not None and not Path(path).is_file():
             p.error(f"{opt}: no file {path}")
     if args.table_from is not None and not Path(args.table_from).is_file():
@@ -380,6 +386,21 @@ def main(argv=None) -> int:
                 fe.gemv1_dot_kernel, fe.gemv2_dot_kernel, fe._gemv_work_list = own
 
         runs["table, GEMVs from " + Path(args.gemv_from).name] = other_gemvs
+    if args.grouped_gemm_from:
+        from harness import load_module
+
+        other_kern = load_module(args.grouped_gemm_from)
+        own_kern = fe.kern
+
+        def other_grouped_gemm(i):
+            # the other version's kernels of _grouped_gemm for this call only (captured with the call, as above)
+            fe.kern = other_kern
+            try:
+                return call(table, i)
+            finally:
+                fe.kern = own_kern
+
+        runs["table, kernels from " + Path(args.grouped_gemm_from).name] = other_grouped_gemm
     if (tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts" and args.quant == "none"
             and args.local_experts is None):
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],

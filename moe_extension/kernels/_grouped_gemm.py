@@ -107,15 +107,21 @@ def activate(gate, up, alpha, limit, ACT: tl.constexpr):
 @triton.jit
 def wrap(x, n, SPAN: tl.constexpr):
     """``x % n`` of an int32 tile ``x`` within [0, n + SPAN) (a tile's row indices from a start below ``n``, SPAN
-    their count), by ``cdiv(SPAN, n)`` conditional subtractions: one where the tile is no wider than the range.
+    their count): one conditional subtraction, which is all it takes where the tile is no wider than the range
+    (n >= SPAN); for a narrower range (tiny shapes) a remainder, in a branch taken only then.
     NOTE: a remainder by a runtime value is a ~25-instruction sequence per element, and Triton computes a tile's row
     vector in each layout that uses it (16 elements per thread where the MMA layout's bands take their minimum): with
-    ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with this 751
-    (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``). Timed, the
-    calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt); the code is
-    the smaller and leaves gemv2 119 registers instead of 148."""
-    for _ in range(0, tl.cdiv(SPAN, n)):
-        x = tl.where(x >= n, x - n, x)
+    ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with subtractions
+    751 (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``). Timed,
+    the calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt); the code
+    is the smaller and leaves gemv2 119 registers instead of 148.
+    NOTE: no loop here: a loop (as this was, ``cdiv(SPAN, n)`` subtractions) is a second inner loop in the persistent
+    gemm1's tile loop beside its k loop, and Triton fuses a ``tl.range(flatten=True)`` nest only when it holds one
+    inner loop (FuseNestedLoops' ``shouldFuse``): the tile loop then stayed a loop of k loops, each tile refilling
+    its pipeline (benchmarks/results/ab_gemm1_fused_loop_h200.txt)."""
+    x = tl.where(x >= n, x - n, x)
+    if n < SPAN:
+        x = x % n
     return x
 
 
