@@ -411,6 +411,30 @@ def test_persistent_gemm1(monkeypatch, act, bias, emap, on_input, group_m, tma, 
     assert_close(out, fused_experts_reference(x, w1, w2, g, ids, act, **kw), tolerance(dtype, DEVICE))
 
 
+@pytest.mark.parametrize("act", ["swigluoai", "silu"])
+def test_persistent_gemm1_narrow_n(monkeypatch, act):
+    """The persistent gemm1 wraps its tiles' weight rows without a loop (``wrap``'s NO_LOOP: one subtraction, and a
+    remainder where the range is narrower than the tile, ``test_wrap_is_the_remainder``): with N 4 (a tile's row
+    indices past the range up to 3 times over) and N 20 (once) it equals the tiled launch bitwise and the reference
+    closely (gate and up interleaved, and halves)."""
+    _use_tma(monkeypatch)
+    dtype = CASE_DTYPES[1]
+    taken = record_results(monkeypatch, fe, "_persistent_gemm1_ok")
+    for N in (4, 20):
+        M, topk, E, K, bm = 41, 2, 4, 32, 16
+        x, w1, w2, g, ids, kw = _case(M, topk, E, K, N, dtype, bias=True, seed=9 + N)
+        g1 = GemmConfig(16, 16, 4, 2, group_m=0, tma_weights=True)
+        g2 = GemmConfig(16, 16, 4, 2, tma_weights=True, tma_a=True)
+        base = MoeConfig("sorted", bm, g1, g2)
+        pers = dataclasses.replace(base, gemm1=dataclasses.replace(g1, persistent=True))
+        ref = fused_experts_triton(x, w1, w2, g, ids, act, config=base, **kw)
+        taken.clear()
+        out = fused_experts_triton(x, w1, w2, g, ids, act, config=pers, **kw)
+        assert any(taken), "the persistent gemm1 ran"
+        assert torch.equal(out, ref), (act, N)
+        assert_close(out, fused_experts_reference(x, w1, w2, g, ids, act, **kw), tolerance(dtype, DEVICE))
+
+
 @pytest.mark.parametrize("single_program_max_pairs", [0, 128])
 @pytest.mark.parametrize("tail_m", [0, 16])
 def test_gemm2_starts_on_counted_gemm1_tiles(monkeypatch, tail_m, single_program_max_pairs):
@@ -529,19 +553,21 @@ def test_register_cap_reaches_the_sorted_launches():
 
 
 @triton.jit
-def _wrap_kernel(out_ptr, n, SPAN: tl.constexpr):
-    """out[pid, :SPAN] = wrap(pid + arange(SPAN), n, SPAN) for the program's start pid (< n)."""
+def _wrap_kernel(out_ptr, n, SPAN: tl.constexpr, NO_LOOP: tl.constexpr):
+    """out[pid, :SPAN] = wrap(pid + arange(SPAN), n, SPAN, NO_LOOP) for the program's start pid (< n)."""
     pid = tl.program_id(0)
-    tl.store(out_ptr + pid * SPAN + tl.arange(0, SPAN), wrap(pid + tl.arange(0, SPAN), n, SPAN))
+    tl.store(out_ptr + pid * SPAN + tl.arange(0, SPAN), wrap(pid + tl.arange(0, SPAN), n, SPAN, NO_LOOP))
 
 
+@pytest.mark.parametrize("no_loop", [False, True])
 @pytest.mark.parametrize("SPAN", [16, 128])
 @pytest.mark.parametrize("n", [1, 3, 16, 17, 100, 127, 128, 200])
-def test_wrap_is_the_remainder(n, SPAN):
-    """``wrap`` (the tiles' row indices modulo their range, by conditional subtractions) equals ``%`` for every start
-    below n, also where the span covers the range several times (n < SPAN)."""
+def test_wrap_is_the_remainder(n, SPAN, no_loop):
+    """``wrap`` (the tiles' row indices modulo their range, by conditional subtractions; NO_LOOP: one, and a
+    remainder for a range narrower than the span) equals ``%`` for every start below n, also where the span covers
+    the range several times (n < SPAN)."""
     out = poison(torch.empty(n, SPAN, dtype=torch.int32, device=DEVICE))
-    _wrap_kernel[(n,)](out, n, SPAN=SPAN)
+    _wrap_kernel[(n,)](out, n, SPAN=SPAN, NO_LOOP=no_loop)
     starts = torch.arange(n, device=DEVICE)[:, None]
     assert torch.equal(out, ((starts + torch.arange(SPAN, device=DEVICE)[None, :]) % n).to(torch.int32))
 

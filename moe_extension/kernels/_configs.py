@@ -451,7 +451,8 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # tails pay where an expert's last block is mostly padding: qwen3-next-80b-a3b-tp2 M = 8192 (160 rows per
         # expert) 926.6 against 935.0 us, level within -1.7% to +4.0% on six such cells, and a tiled gemm2 with tails
         # 0.5-15% slower than the persistent one (benchmarks/results/ab_persistent_tails_h200.txt: ``--variant
-        # '{"gemm1": {"persistent": false, "tail_m": 64}}'``).
+        # '{"gemm1": {"persistent": false, "tail_m": 64}}'``), that against a persistent gemm1 whose tile loop Triton
+        # had left unfused, since fused again 4-8% faster (benchmarks/results/ab_gemm1_fused_loop_h200.txt).
         g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True, persistent=True, tail_m=0)
         g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
     # NOTE: a short reduction (at most 8 steps) in 3 stages instead of 4: the stages' shared memory bounds the

@@ -105,39 +105,44 @@ def activate(gate, up, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def wrap(x, n, SPAN: tl.constexpr):
+def wrap(x, n, SPAN: tl.constexpr, NO_LOOP: tl.constexpr = False):
     """``x % n`` of an int32 tile ``x`` within [0, n + SPAN) (a tile's row indices from a start below ``n``, SPAN
-    their count): one conditional subtraction, which is all it takes where the tile is no wider than the range
-    (n >= SPAN); for a narrower range (tiny shapes) a remainder, in a branch taken only then.
+    their count), by ``cdiv(SPAN, n)`` conditional subtractions: one where the tile is no wider than the range.
+    NO_LOOP: one conditional subtraction, and for a narrower range (n < SPAN) a remainder in a branch taken only then.
     NOTE: a remainder by a runtime value is a ~25-instruction sequence per element, and Triton computes a tile's row
     vector in each layout that uses it (16 elements per thread where the MMA layout's bands take their minimum): with
-    ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with subtractions
-    751 (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``). Timed,
-    the calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt); the code
-    is the smaller and leaves gemv2 119 registers instead of 148.
-    NOTE: no loop here: a loop (as this was, ``cdiv(SPAN, n)`` subtractions) is a second inner loop in the persistent
-    gemm1's tile loop beside its k loop, and Triton fuses a ``tl.range(flatten=True)`` nest only when it holds one
-    inner loop (FuseNestedLoops' ``shouldFuse``): the tile loop then stayed a loop of k loops, each tile refilling
-    its pipeline (benchmarks/results/ab_gemm1_fused_loop_h200.txt)."""
-    x = tl.where(x >= n, x - n, x)
-    if n < SPAN:
-        x = x % n
+    ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with this 751
+    (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``). Timed, the
+    calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt); the code is
+    the smaller and leaves gemv2 119 registers instead of 148. NO_LOOP's branch costs the GEMVs registers (gemv2 148,
+    gemv1 133 against 127 at gpt-oss-120b M = 1: one program per SM fewer), so they keep the loop.
+    NOTE: NO_LOOP in the persistent gemm1: the loop is a second inner loop in its tile loop beside the k loop, and
+    Triton fuses a ``tl.range(flatten=True)`` nest only when it holds one inner loop (FuseNestedLoops'
+    ``shouldFuse``): with the loop, each tile refilled its pipeline, 4-8% of the first GEMM's time
+    (benchmarks/results/ab_gemm1_fused_loop_h200.txt)."""
+    if NO_LOOP:
+        x = tl.where(x >= n, x - n, x)
+        if n < SPAN:
+            x = x % n
+    else:
+        for _ in range(0, tl.cdiv(SPAN, n)):
+            x = tl.where(x >= n, x - n, x)
     return x
 
 
 @triton.jit
-def gemm1_weight_rows(n0, N_OUT, N_HALF, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+def gemm1_weight_rows(n0, N_OUT, N_HALF, ACT: tl.constexpr, BLOCK_N: tl.constexpr, NO_LOOP: tl.constexpr = False):
     """The weight rows of gemm1's output tile at columns n0..: without an activation the BLOCK_N output rows;
     swigluoai the 2 * BLOCK_N interleaved rows from 2 n0; the halves activations BLOCK_N gate rows from n0 stacked
     on the BLOCK_N up rows from N + n0. Rows wrap modulo their range (loads in bounds; the columns they feed are not
-    stored)."""
+    stored). NO_LOOP: ``wrap`` without its loop."""
     if ACT == 0:
-        wr = wrap(n0 + tl.arange(0, BLOCK_N), N_OUT, BLOCK_N)
+        wr = wrap(n0 + tl.arange(0, BLOCK_N), N_OUT, BLOCK_N, NO_LOOP)
     elif ACT == 4:
-        wr = wrap(2 * n0 + tl.arange(0, 2 * BLOCK_N), 2 * N_HALF, 2 * BLOCK_N)
+        wr = wrap(2 * n0 + tl.arange(0, 2 * BLOCK_N), 2 * N_HALF, 2 * BLOCK_N, NO_LOOP)
     else:
         c = tl.arange(0, 2 * BLOCK_N)
-        wr = (c // BLOCK_N) * N_HALF + wrap(n0 + c % BLOCK_N, N_HALF, BLOCK_N)
+        wr = (c // BLOCK_N) * N_HALF + wrap(n0 + c % BLOCK_N, N_HALF, BLOCK_N, NO_LOOP)
     return wr
 
 
@@ -270,8 +275,10 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
                  ACT: tl.constexpr, OUT_SORTED: tl.constexpr, ZERO_PAD: tl.constexpr, EVEN_K: tl.constexpr,
                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  W_DESC: tl.constexpr, A_DESC: tl.constexpr, WFMT: tl.constexpr, PTX: tl.constexpr,
-                 G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr, ROW_SCALES: tl.constexpr):
+                 G_ON_A: tl.constexpr, Q_OUT: tl.constexpr, A_Q: tl.constexpr, ROW_SCALES: tl.constexpr,
+                 NO_LOOP: tl.constexpr = False):
     """The [BM, BLOCK_N] output tile of gemm1 at sorted rows row0.. and columns n0.. (expert ``expert``).
+    NO_LOOP: the weight rows wrap without a loop (``gemm1_weight_rows``).
     G_ON_A: the router weights (apply_router_weight_on_input) scale the A rows, for weight formats whose GEMM
     rounds or quantizes its input (MXFP4: bf16(g x), fp8 block: fp8(g x)); otherwise they scale the product
     (W (g x) = g (W x)). Q_OUT (OUT_SORTED; BLOCK_N a multiple of 128): the tile is stored quantized for the
@@ -301,7 +308,7 @@ def _gemm1_block(x_ptr, xs_ptr, a_desc, w_ptr, w_desc, ws_ptr, bias_ptr, out_ptr
     PARTS: tl.constexpr = W_ROWS // 128 if WFMT == 2 else 1
     tl.static_assert(WFMT != 2 or (W_ROWS == 128 * PARTS and PARTS <= 2 and (PARTS == 2 or ACT == 0)),
                      "fp8 block gemm1 tiles: 128 output columns with an activation, 128 or 256 without")
-    wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N)
+    wr = gemm1_weight_rows(n0, N_OUT, N_HALF, ACT, BLOCK_N, NO_LOOP)
     e64 = expert.to(tl.int64)
     if PARTS == 2:
         wr, wr_b = tl.split(tl.permute(tl.reshape(wr, (2, W_ROWS // 2)), (1, 0)))
@@ -440,8 +447,8 @@ def gemm1_sorted_kernel(
     cdiv(count, BLOCK_M) * cdiv(N_OUT, BLOCK_N) when all its tiles are stored.
     PERSISTENT (TAIL_M 0, no SIGNAL): NUM_SMS programs walk the tiles of the used blocks (those up to the end of
     expert ``last_expert``'s padded rows) in one flattened loop (``tl.range(flatten=True)``: Triton pipelines it
-    as one loop, so a program's next tile can load while its current one finishes), in ``_tile``'s order, each tile
-    as above.
+    as one loop, so a program's next tile can load while its current one finishes; it fuses the nest only while the
+    tile holds no loop but its k loop, hence ``wrap``'s NO_LOOP), in ``_tile``'s order, each tile as above.
 
     NOTE: topk, has_bias, router_on_input and the bias / router-weight strides are runtime values (not
     specialized) that only touch one division per row and the epilogue (masked loads, no branches): models
@@ -463,7 +470,7 @@ def gemm1_sorted_kernel(
                          router_on_input, stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_se,
                          stride_sn, stride_sk, stride_be, stride_bn, stride_om, stride_on, stride_osm, stride_gm,
                          stride_gk, alpha, limit, ACT, OUT_SORTED, ZERO_PAD, EVEN_K, DOT_PREC, BLOCK_M, BLOCK_N,
-                         BLOCK_K, W_DESC, A_DESC, WFMT, PTX, G_ON_A, Q_OUT, A_Q, ROW_SCALES)
+                         BLOCK_K, W_DESC, A_DESC, WFMT, PTX, G_ON_A, Q_OUT, A_Q, ROW_SCALES, True)
         return
     expert, pid_m, pid_n = _tile(tl.program_id(0), num_blocks_m, tl.cdiv(N_OUT, BLOCK_N), block_expert_ptr, counts_ptr,
                                  starts_ptr, BLOCK_M, GROUP_M)
