@@ -352,21 +352,24 @@ def main(argv=None) -> int:
                 fe._gemv1 = launch_gemv1
 
         runs["table, zero rows in gemv2"] = zero_rows_in_gemv2
-    if args.routing_from:
-        from harness import load_module
-
-        other_route = load_module(args.routing_from).route
-        own_route = fe.route
-
-        def other_routing(i):
-            # the other version's route() for this call only (captured with the call, as above)
-            fe.route = other_route
+    def with_attr(name, value):
+        # the table config with fe.<name> replaced for this call only (captured with the call, as above)
+        def run(i):
+            own = getattr(fe, name)
+            setattr(fe, name, value)
             try:
                 return call(table, i)
             finally:
-                fe.route = own_route
+                setattr(fe, name, own)
 
-        runs["table, routing from " + Path(args.routing_from).name] = other_routing
+        return run
+
+    if args.routing_from:
+        from harness import load_module
+
+        # the other version's route()
+        runs["table, routing from " + Path(args.routing_from).name] = with_attr(
+            "route", load_module(args.routing_from).route)
     if args.gemv_from:
         from harness import load_module
 
@@ -389,18 +392,9 @@ def main(argv=None) -> int:
     if args.grouped_gemm_from:
         from harness import load_module
 
-        other_kern = load_module(args.grouped_gemm_from)
-        own_kern = fe.kern
-
-        def other_grouped_gemm(i):
-            # the other version's kernels of _grouped_gemm for this call only (captured with the call, as above)
-            fe.kern = other_kern
-            try:
-                return call(table, i)
-            finally:
-                fe.kern = own_kern
-
-        runs["table, kernels from " + Path(args.grouped_gemm_from).name] = other_grouped_gemm
+        # the other version's kernels of _grouped_gemm (the module the launchers call them through)
+        runs["table, kernels from " + Path(args.grouped_gemm_from).name] = with_attr(
+            "kern", load_module(args.grouped_gemm_from))
     if (tk.is_available() and args.activation == T.ACTIVATION and args.op == "fused_experts" and args.quant == "none"
             and args.local_experts is None):
         runs["triton_kernels"] = lambda i: tk.fused_experts(sets[i % n][0], w1, w2, sets[i % n][1], sets[i % n][2],

@@ -315,6 +315,64 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t k_stride, 
          ((uint64_t)((n_stride >> 4) & 0x3FFF) << 32);
 }
 
+// The wgmma form's k loop over chunks [c_begin, c_end) of a lane's band (codes and scales from `band_codes` /
+// `band_scales`), their B tiles at `smem_b` from chunk c_begin on, in groups of U: the group's loads issued together, all
+// 2U k32 steps' A fragments placed, 2U wgmmas into their own sums, one wait, the group scales applied into acc. Past
+// the last chunk: zero codes times the last step's B (no branch: a divergent path serializes the wgmmas).
+template <int U>
+__device__ __forceinline__ void wgmma_chunks(float (&acc)[4], const uint8_t* band_codes, const uint8_t* band_scales,
+                                             const uint8_t* smem_b, int c_begin, int c_end, uint32_t k_stride,
+                                             uint32_t n_stride) {
+  const int mine = c_end - c_begin;
+  for (int c0 = 0; c0 < mine; c0 += U) {
+    uint4 words[U];
+    uint32_t group_scales[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c_begin + c0 + u;
+      words[u] = c < c_end ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
+      group_scales[u] = c < c_end ? load_stream4(band_scales + 32 * c) : 0u;
+    }
+    uint32_t a[U][2][4];
+    float d[U][2][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t ws[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        a[u][step][0] = fp8_first(ws[2 * step]);
+        a[u][step][1] = fp8_second(ws[2 * step]);
+        a[u][step][2] = fp8_first(ws[2 * step + 1]);
+        a[u][step][3] = fp8_second(ws[2 * step + 1]);
+        d[u][step][0] = d[u][step][1] = d[u][step][2] = d[u][step][3] = 0.f;
+      }
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int cl = min(c0 + u, mine - 1);
+#pragma unroll
+      for (int step = 0; step < 2; ++step)
+        wgmma_e4m3(d[u][step], a[u][step][0], a[u][step][1], a[u][step][2], a[u][step][3],
+                   smem_desc(smem_b + (2 * cl + step) * 256, k_stride, n_stride));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        wgmma_done(d[u][step]);
+        const float f_g = e8m0(group_scales[u], step), f_h = e8m0(group_scales[u], 2 + step);
+        acc[0] = fmaf(f_g, d[u][step][0], acc[0]);
+        acc[1] = fmaf(f_g, d[u][step][1], acc[1]);
+        acc[2] = fmaf(f_h, d[u][step][2], acc[2]);
+        acc[3] = fmaf(f_h, d[u][step][3], acc[3]);
+      }
+    }
+  }
+}
+
 // The fp8 form on wgmma: a block (one warpgroup) takes 64 rows, warp w the band 4 * block + w (fp8 layout), the
 // chunks in groups of U: their loads issued together, all 2U k32 steps' A fragments placed, then 2U wgmmas into their
 // own sums, one wait, the group scales applied. The row split into e4m3 hi and lo as in gemv_fp8, staged as B tiles of
@@ -354,54 +412,7 @@ __global__ void __launch_bounds__(128) gemv_wgmma(const uint8_t* __restrict__ co
   const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
   const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int c0 = 0; c0 < chunks; c0 += U) {
-    uint4 words[U];
-    uint32_t group_scales[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u;
-      words[u] = c < chunks ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
-      group_scales[u] = c < chunks ? load_stream4(band_scales + 32 * c) : 0u;
-    }
-    // past the last chunk: zero codes times the last step's B (no branch: a divergent path serializes the wgmmas)
-    uint32_t a[U][2][4];
-    float d[U][2][4];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint32_t ws[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
-#pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        a[u][step][0] = fp8_first(ws[2 * step]);
-        a[u][step][1] = fp8_second(ws[2 * step]);
-        a[u][step][2] = fp8_first(ws[2 * step + 1]);
-        a[u][step][3] = fp8_second(ws[2 * step + 1]);
-        d[u][step][0] = d[u][step][1] = d[u][step][2] = d[u][step][3] = 0.f;
-      }
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = min(c0 + u, chunks - 1);
-#pragma unroll
-      for (int step = 0; step < 2; ++step)
-        wgmma_e4m3(d[u][step], a[u][step][0], a[u][step][1], a[u][step][2], a[u][step][3],
-                   smem_desc(smem_b + (2 * c + step) * 256, k_stride, n_stride));
-    }
-    wgmma_commit();
-    wgmma_wait_all();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        wgmma_done(d[u][step]);
-        const float f_g = e8m0(group_scales[u], step), f_h = e8m0(group_scales[u], 2 + step);
-        acc[0] = fmaf(f_g, d[u][step][0], acc[0]);
-        acc[1] = fmaf(f_g, d[u][step][1], acc[1]);
-        acc[2] = fmaf(f_h, d[u][step][2], acc[2]);
-        acc[3] = fmaf(f_h, d[u][step][3], acc[3]);
-      }
-    }
-  }
+  wgmma_chunks<U>(acc, band_codes, band_scales, smem_b, 0, chunks, k_stride, n_stride);
   if (t == 0) {
     sums[16 * warp + g] = acc[0] + acc[1];
     sums[16 * warp + g + 8] = acc[2] + acc[3];
@@ -454,53 +465,7 @@ __global__ void __launch_bounds__(128) gemv_wgmma_split(const uint8_t* __restric
   const uint8_t* band_codes = codes + ((size_t)e * rows + (size_t)band * 16) * (K / 2) + 16 * lane;
   const uint8_t* band_scales = scales + ((size_t)e * rows + (size_t)band * 16) * (K / 32) + 4 * g;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int c0 = 0; c0 < mine; c0 += U) {
-    uint4 words[U];
-    uint32_t group_scales[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c_begin + c0 + u;
-      words[u] = c < c_end ? load_stream16(band_codes + 512 * c) : make_uint4(0, 0, 0, 0);
-      group_scales[u] = c < c_end ? load_stream4(band_scales + 32 * c) : 0u;
-    }
-    uint32_t a[U][2][4];
-    float d[U][2][4];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint32_t ws[4] = {words[u].x, words[u].y, words[u].z, words[u].w};
-#pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        a[u][step][0] = fp8_first(ws[2 * step]);
-        a[u][step][1] = fp8_second(ws[2 * step]);
-        a[u][step][2] = fp8_first(ws[2 * step + 1]);
-        a[u][step][3] = fp8_second(ws[2 * step + 1]);
-        d[u][step][0] = d[u][step][1] = d[u][step][2] = d[u][step][3] = 0.f;
-      }
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int cl = min(c0 + u, mine - 1);  // past the last chunk: zero codes times the last step's B
-#pragma unroll
-      for (int step = 0; step < 2; ++step)
-        wgmma_e4m3(d[u][step], a[u][step][0], a[u][step][1], a[u][step][2], a[u][step][3],
-                   smem_desc(smem_b + (2 * cl + step) * 256, k_stride, n_stride));
-    }
-    wgmma_commit();
-    wgmma_wait_all();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        wgmma_done(d[u][step]);
-        const float f_g = e8m0(group_scales[u], step), f_h = e8m0(group_scales[u], 2 + step);
-        acc[0] = fmaf(f_g, d[u][step][0], acc[0]);
-        acc[1] = fmaf(f_g, d[u][step][1], acc[1]);
-        acc[2] = fmaf(f_h, d[u][step][2], acc[2]);
-        acc[3] = fmaf(f_h, d[u][step][3], acc[3]);
-      }
-    }
-  }
+  wgmma_chunks<U>(acc, band_codes, band_scales, smem_b, c_begin, c_end, k_stride, n_stride);
   if (t == 0) {
     sums[16 * warp + g] = acc[0] + acc[1];
     sums[16 * warp + g + 8] = acc[2] + acc[3];

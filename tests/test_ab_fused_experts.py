@@ -187,3 +187,23 @@ def test_table_from_option(tmp_path):
     with pytest.raises(SystemExit):
         ab_fused_experts.parse_args(["--model", "gpt-oss-120b", "--tokens", "64", "--table-from",
                                      str(tmp_path / "missing.json")])
+
+
+def test_grouped_gemm_from_option(tmp_path):
+    """``--grouped-gemm-from``: a copy of kernels/_grouped_gemm.py (its own kernels, compiled from the file) for the
+    sorted schedule's launches; a missing file or the unfused op is a usage error."""
+    gemm_py = Path(__file__).resolve().parent.parent / "moe_extension" / "kernels" / "_grouped_gemm.py"
+    args = ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "4096", "--grouped-gemm-from",
+                                        str(gemm_py)])
+    assert args.grouped_gemm_from == str(gemm_py)
+    for bad in (["--grouped-gemm-from", str(tmp_path / "missing.py")],
+                ["--grouped-gemm-from", str(gemm_py), "--op", "expert_gemm2"]):
+        with pytest.raises(SystemExit):
+            ab_fused_experts.parse_args(["--model", "qwen3-30b-a3b", "--tokens", "4096", *bad])
+    from moe_extension.kernels import _grouped_gemm
+
+    copy = tmp_path / "other_grouped_gemm.py"
+    copy.write_text(gemm_py.read_text())
+    other = harness.load_module(str(copy))
+    assert other.gemm1_sorted_kernel is not _grouped_gemm.gemm1_sorted_kernel
+    assert other.ACTIVATION_CODES == _grouped_gemm.ACTIVATION_CODES
