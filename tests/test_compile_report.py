@@ -85,12 +85,14 @@ def unfused_flatten_loops(ttgir: str) -> int:
 def test_unfused_flatten_loops_reads_the_nest():
     """A ``tt.flatten`` loop around a k loop counts; a fused one (its k steps in a loop of their own beside it, as
     Triton leaves the nest's copy for an empty k range) and an unmarked nest do not."""
-    nest = ("scf.for %tile = %a to %b step %c : i32 {\n  %x = tt.splat %y : f32 -> tensor<8xf32, #ttg.slice<{dim = 0}>>\n"
+    nest = ("scf.for %tile = %a to %b step %c : i32 {\n"
+            "  %x = tt.splat %y : f32 -> tensor<8xf32, #ttg.slice<{dim = 0}>>\n"
             "  scf.for %k = %a to %b step %c : i32 {\n    scf.yield\n  }\n  scf.if %p {\n  } else {\n  }\n")
     assert unfused_flatten_loops(nest + "} {tt.flatten}\n") == 1
     assert unfused_flatten_loops(nest + "}\n") == 0
     fused = ("scf.if %e {\n  scf.for %tile = %a to %b step %c : i32 {\n    scf.if %q {\n    }\n  } {tt.flatten}\n"
-             "} else {\n  %r = scf.for %i = %a to %n step %c iter_args(%acc = %z) -> (tensor<128x256xf32, #mma>) : i32 {\n"
+             "} else {\n"
+             "  %r = scf.for %i = %a to %n step %c iter_args(%acc = %z) -> (tensor<128x256xf32, #mma>) : i32 {\n"
              "    scf.yield %acc : tensor<128x256xf32, #mma>\n  }\n}\n")
     assert unfused_flatten_loops(fused) == 0
 

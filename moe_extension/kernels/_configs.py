@@ -647,9 +647,9 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     programs of other pairs exit at once): 128 weight rows on 4 warps per tile (gemm1: 64 columns of gate and up),
     128-column steps, 3 stages (16-bit dense: 4 stages or 64-row tiles were slower, ``shard_dot_gemvs``'s A/B); fp8
     block: gemm1 128 columns (256 rows, see ``fp8_gemv_tiles``), gemm2 64 rows in 4 stages (3 where that makes one
-    wave, ``_one_wave_stages``). Each reduction splits in
-    two while twice its programs still fit on the GPU at once: per SM as many as their pipelined tiles' shared memory
-    allows (``gemv_smem``), at most 4, so that every program streams from the start and none waits for a second wave.
+    wave, ``_one_wave_stages``). Each reduction splits in two while twice its programs still fit on the GPU at once:
+    per SM as many as their pipelined tiles' shared memory allows (``gemv_smem``), at most 4, so that every program
+    streams from the start and none waits for a second wave.
     NOTE: the rule gives the tuner's picks on the H100 (``python benchmarks/tune_fused_experts.py --quant mxfp4_mma
     --tokens 1``, gpt-oss-120b M = 1: gemv1 split 2 21.7 us (unsplit 24.7, split 4 24.6, 256 rows on 8 warps 26.1);
     gemv2 split 4 15.5 us (split 2 16.7, split 8 18.7, 256 rows on 8 warps 19.4); end to end 36.8 us against 48.9 for
@@ -698,9 +698,10 @@ def _one_wave_stages(g: GemmConfig, rows: int, programs: int, quant: str, num_sm
     fp8 block's second GEMV holds 48 registers on 4 warps, so its shared memory is what bounds it), else unchanged.
     NOTE: fp8 block's second GEMV at M = 1 with topk 8 and K 7168 (896 programs of 64 rows: 5 per SM at 40 KB in 4
     stages, 660 at once on 132 SMs; 7 at 30 KB in 3, 924), H200, silu, CUDA-graph medians of 5 interleaved rounds,
-    outputs bitwise equal: DeepSeek-V3 93.7 -> 91.3 us (gemv2 alone 34.2 -> 31.5 eager), its TP-4 shard (N 512) 34.3
-    -> 31.1 (14.8 -> 11.2) (benchmarks/results/ab_fp8_gemv2_stages_h200.txt: ``python benchmarks/ab_fused_experts.py
-    --quant fp8_block --model deepseek-v3 --activation silu --tokens 1 --variant '{"gemm2": {"num_stages": 4}}'``);
+    outputs bitwise equal: DeepSeek-V3 96.1 -> 94.3 us, its TP-4 shard (N 512) 34.5 -> 31.3 (run 3 of
+    benchmarks/results/ab_fp8_gemv2_stages_h200.txt: ``python benchmarks/ab_fused_experts.py --quant fp8_block
+    --model deepseek-v3 --activation silu --tokens 1 --variant '{"gemm2": {"num_stages": 4}}'``; run 2, before the
+    rule, 93.7 -> 91.3 and 34.3 -> 31.1, gemv2 alone 34.2 -> 31.5 and 14.8 -> 11.2 us eager);
     where 4 stages need several waves anyway (M = 2 and 4: 1792 and 3584 programs) 3 stages were level (177.0
     against 176.8 us, 338.4 against 337.4), so the rule takes them only for the one wave."""
     def fit(stages: int) -> int:

@@ -114,8 +114,9 @@ def wrap(x, n, SPAN: tl.constexpr, NO_LOOP: tl.constexpr = False):
     ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with this 751
     (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``). Timed, the
     calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt); the code is
-    the smaller and leaves gemv2 119 registers instead of 148. NO_LOOP's branch costs the GEMVs registers (gemv2 148,
-    gemv1 133 against 127 at gpt-oss-120b M = 1: one program per SM fewer), so they keep the loop.
+    the smaller and leaves gemv2 119 registers instead of 148. NO_LOOP's branch costs the GEMVs registers (at
+    gpt-oss-120b M = 1 gemv1 133 against 127, gemv2 148 against 126: 3 programs per SM against 4), so they keep the
+    loop.
     NOTE: NO_LOOP in the persistent gemm1: the loop is a second inner loop in its tile loop beside the k loop, and
     Triton fuses a ``tl.range(flatten=True)`` nest only when it holds one inner loop (FuseNestedLoops'
     ``shouldFuse``): with the loop, each tile refilled its pipeline, 4-8% of the first GEMM's time
