@@ -113,8 +113,9 @@ def wrap(x, n, SPAN: tl.constexpr, NO_LOOP: tl.constexpr = False):
     vector in each layout that uses it (16 elements per thread where the MMA layout's bands take their minimum): with
     ``%``, 1447 SASS instructions ran before gemv1's k loop (387 per step) at gpt-oss-120b M = 1, with this 751
     (``python benchmarks/compile_report.py --model gpt-oss-120b --quant mxfp4_mma --tokens 1 --dump DIR``). Timed, the
-    calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt); the code is
-    the smaller and leaves gemv2 119 registers instead of 148. NO_LOOP's branch costs the GEMVs registers (at
+    MXFP4 calls did not change beyond the spread (H200, M 1-4096: benchmarks/results/ab_tile_rows_h200.txt; bf16 was
+    not timed then, and its persistent gemm1 had lost 4-8%: the NOTE below); the code is the smaller and leaves gemv2
+    119 registers instead of 148. NO_LOOP's branch costs the GEMVs registers (at
     gpt-oss-120b M = 1 gemv1 133 against 127, gemv2 148 against 126: 3 programs per SM against 4), so they keep the
     loop.
     NOTE: NO_LOOP in the persistent gemm1: the loop is a second inner loop in its tile loop beside the k loop, and
