@@ -167,18 +167,18 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0
 
 # sm_90's limits on the programs resident on one SM (CUDA's occupancy rules): 64 K registers, allocated per warp in
 # units of 256; 228 KB of shared memory (``_configs.SM_SHARED_MEMORY``), of which the runtime reserves 1 KB per
-# program; 64 warps.
-SM_REGISTERS, REGISTER_UNIT, SHARED_RESERVED, SM_WARPS = 65536, 256, 1024, 64
+# program (``_configs.BLOCK_RESERVED_SHARED_MEMORY``); 64 warps.
+SM_REGISTERS, REGISTER_UNIT, SM_WARPS = 65536, 256, 64
 
 
 def programs_per_sm(registers: int, num_warps: int, shared: int) -> tuple[int, str]:
     """How many programs of a kernel fit on one sm_90 SM at once, and what bounds it: "registers", "shared" or
     "warps", or those of them that bound it equally joined by " and "."""
-    from moe_extension.kernels._configs import SM_SHARED_MEMORY
+    from moe_extension.kernels._configs import BLOCK_RESERVED_SHARED_MEMORY, SM_SHARED_MEMORY
 
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
     limits = {"registers": SM_REGISTERS // (per_warp * num_warps),
-              "shared": SM_SHARED_MEMORY // (shared + SHARED_RESERVED),
+              "shared": SM_SHARED_MEMORY // (shared + BLOCK_RESERVED_SHARED_MEMORY),
               "warps": SM_WARPS // num_warps}
     least = min(limits.values())
     return least, " and ".join(name for name, n in limits.items() if n == least)

@@ -688,7 +688,8 @@ def dot_gemv_direct(pairs: int, N: int, K: int, num_sms: int, quant: str = "mxfp
     return MoeConfig("direct", 0, g1, g2)
 
 
-# NOTE: shared memory that the driver reserves per program (block) on sm_90, beside its own.
+# Shared memory that the runtime reserves per program (block) on sm_90, beside its own (CUDA's occupancy rules;
+# benchmarks/compile_report.py counts programs per SM with it too).
 BLOCK_RESERVED_SHARED_MEMORY = 1024
 
 
