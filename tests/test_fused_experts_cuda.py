@@ -246,6 +246,40 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
 
 
 @cuda
+@pytest.mark.parametrize("M,N,block_m", [(200, 256, 32), (400, 192, 64), (400, 200, 64)])
+def test_persistent_gemm2_at_short_reductions(monkeypatch, M, N, block_m):
+    """The heuristic's persistent gemm2 at blocks of 32 and 64 rows where the reduction is short (N <= 256: E 64,
+    topk 6, 19 and 38 rows per expert; N 200 no multiple of 64): against the reference with biases, an expert map
+    with -1 entries and invalid ids; then captured in a CUDA graph, 12 replays with new inputs bitwise equal to
+    eager."""
+    if not fe.tma_capable(torch.device("cuda")):
+        pytest.skip("the persistent gemm2 needs sm_90+")
+    launches = record_results(monkeypatch, fe, "_gemm2_persistent")
+    gen = torch.Generator(device="cuda").manual_seed(M + N)
+    E, topk, K = 64, 6, 384
+    cfg = fe.get_config(M, E, N, K, topk, torch.bfloat16, True, True, torch.device("cuda"))
+    assert cfg.block_m == block_m and cfg.gemm2.persistent, cfg
+    w1, w2, b1, b2 = _weights(E, K, N, torch.bfloat16, False, True, gen)
+    emap = random_expert_map(E + 3, E, device="cuda")
+    kw = dict(w1_bias=b1, w2_bias=b2, expert_map=emap)
+
+    def inputs():
+        return [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen),
+                *_routing(M, E + 3, topk, True, gen)]
+
+    def call(args):
+        x, g, ids = args
+        return torch.ops.moe_ext.fused_experts(x, w1, w2, g, ids, "swigluoai", **kw)
+
+    first = inputs()
+    out = call(first)
+    assert launches, "the persistent gemm2 ran"
+    err = rel_err(out.cpu(), _reference(*first[:1], w1, w2, *first[1:], "swigluoai", kw).cpu())
+    assert err <= 1e-2, f"rel_err {err:.3e}"
+    assert_graph_replays_match_eager(call, first, inputs)
+
+
+@cuda
 @pytest.mark.parametrize("M", [1, 2])
 def test_cuda_graph_replays_match_eager_on_a_shard(monkeypatch, M):
     """A bf16 expert-parallel shard (16 of 64 experts, topk 4: at most 2 local pairs expected) at decode: the direct

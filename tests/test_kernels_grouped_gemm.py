@@ -752,6 +752,33 @@ def test_short_reduction_gemm2_stages(M, N, quant, block_m, stages):
     assert configs.SHORT_REDUCTION_STEPS == 8
 
 
+@pytest.mark.parametrize("M,N,block_m,persistent", [
+    (2048, 256, 64, True),  # qwen3-next-80b-a3b-tp2 (E 512, topk 10): 40 rows per expert, 4 steps of 64
+    (1024, 256, 32, True),  # 20 rows: 2 steps of 128
+    (1024, 192, 32, True),  # 3 steps of 64 (192 is no multiple of 128)
+    (2048, 320, 64, False),  # 5 steps
+    (2048, 384, 64, False),
+    (512, 256, 16, False),  # blocks of 16: the tiled gemm2 (the persistent one was slower)
+    (8192, 256, 128, True),  # blocks of 128: persistent whatever N
+])
+def test_persistent_gemm2_at_short_reductions(M, N, block_m, persistent):
+    """16-bit weights at blocks of 32 and 64 rows run gemm2 as the persistent kernel (256 output columns on 8 warps,
+    weights by TMA) where its reduction has at most 4 steps of 64 (N <= PERSISTENT_GEMM2_MAX_N); not at blocks of 16,
+    nor for fp32 activations or the quantized formats (benchmarks/results/ab_gemm2_persistent_short_h200.txt)."""
+    def config(quant="none", dtype=torch.bfloat16):
+        return configs.sanitize(configs.heuristic_config(M, 512, N, 2048, 10, dtype, True, True, 132, quant),
+                                dtype, N, 2048, 10, quant=quant)
+
+    c = config()
+    assert c.path == "sorted" and c.block_m == block_m
+    assert c.gemm2.persistent == persistent
+    if persistent:
+        assert (c.gemm2.block_n, c.gemm2.num_warps, c.gemm2.tma_weights, c.gemm2.split_k) == (256, 8, True, 1)
+    assert configs.PERSISTENT_GEMM2_MAX_N == 256
+    assert not config(dtype=torch.float32).gemm2.persistent
+    assert not any(config(q).gemm2.persistent for q in ("mxfp4", "mxfp4_mma", "fp8_block"))
+
+
 @pytest.mark.parametrize("M,E,topk,quant,direct", [
     (1, 8, 2, "none", True),  # M = 1: always direct
     (2, 512, 10, "none", True),  # qwen3-next-80b-a3b-tp2 M = 2: direct 26.0 against 27.7 us

@@ -231,6 +231,11 @@ def _pow2_floor(x: int) -> int:
 # instead of 4 (16-bit weights: ``dense_sorted_tiles``; fp8 block: ``heuristic_config``).
 SHORT_REDUCTION_STEPS = 8
 
+# 16-bit weights, sorted schedule: the largest N (gemm2's reduction) at which blocks of 32 and 64 rows run gemm2 as the
+# persistent kernel (``dense_sorted_tiles``): at most 4 steps of 64 per tile, too few to hide a tile's prologue and
+# epilogue behind its own loads.
+PERSISTENT_GEMM2_MAX_N = 256
+
 
 def _short_gemm2_stages(block_m: int, N: int, block_k: int, stages: int) -> int:
     """gemm2's pipeline stages: 3 for a short reduction (at most SHORT_REDUCTION_STEPS steps of block_k) at blocks
@@ -467,6 +472,21 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     # short-reduction rules here (nothing between 6 and 22 steps was measured)
     # (benchmarks/results/ab_gemm2_short_stages_h200.txt: ``python benchmarks/ab_fused_experts.py --model
     # qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2": {"num_stages": 4}}'``, and so on).
+    if block_m in (32, 64) and N <= PERSISTENT_GEMM2_MAX_N:
+        # NOTE: a reduction of at most 4 steps of 64: gemm2 as the persistent kernel (256 output columns on 8 warps,
+        # one program per SM walking the tiles, so one tile's loads overlap the previous tile's epilogue, and
+        # padding rows neither read nor written) instead of a program per tile. H200, bf16, swigluoai, CUDA-graph
+        # medians of 3 interleaved rounds, outputs bitwise equal: blocks of 64 qwen3-next-80b-a3b-tp2 (N 256) M = 2048
+        # 459.8 against 477.2 us, M = 2560 476.7 against 499.3; DeepSeek-V3 TP 8 (E 256, topk 8, K 7168, N 256)
+        # M = 1024 734.5 against 765.2; Qwen3-30B-A3B TP 4 (E 128, topk 8, K 2048, N 192) M = 512 103.6 against
+        # 106.6; blocks of 32: qwen3-next M = 1024 436.9 against 464.3, DeepSeek-V3 TP 8 M = 512 691.9 against
+        # 746.8, Qwen3-30B-A3B TP 4 M = 256 96.8 against 97.0. Level from N 384 on (blocks of 64: qwen3-235b-a22b-tp4
+        # 316.7 against 315.4, deepseek-v3-tp4 1384.3 against 1389.2, gpt-oss-120b 1585.3 against 1599.3) and slower
+        # at N 1408 (deepseek-v2-lite M = 512 293.4 against 290.1); at blocks of 16 slower (qwen3-next M = 512 418.6
+        # against 410.0), 128 columns on 4 warps never faster (benchmarks/results/ab_gemm2_persistent_short_h200.txt:
+        # ``python benchmarks/ab_fused_experts.py --model qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2":
+        # {"block_n": 256, "num_warps": 8, "persistent": true, "tma_weights": true}}'``, and so on).
+        g2 = dataclasses.replace(g2, block_n=256, block_k=64, num_warps=8, tma_weights=True, persistent=True)
     g2 = dataclasses.replace(g2, num_stages=_short_gemm2_stages(block_m, N, g2.block_k, g2.num_stages))
     return g1, g2
 
