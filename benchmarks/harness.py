@@ -123,8 +123,8 @@ def time_interleaved_us(fns: dict[str, Callable[[int], object]], n_sets: int, ro
     its warm-up or capture); compare the rounds' medians, or round by round.
 
     NOTE: under the power cap the SM clock follows the load: in the zoo's M 512-8192 run on an H200 one graph's
-    rounds differ by up to 25% (deepseek-v2 M = 8192), median 3.6%, and where two columns' medians differ by 0-3% the
-    round-by-round ratio spans both sides (ours / triton_kernels 0.89-1.05 at phi-3.5-moe M = 8192); timed one
+    rounds differ by up to 32% (deepseek-v2 M = 8192), median 4.1%, and where two columns' medians differ by 0-3% the
+    round-by-round ratio spans both sides (ours / triton_kernels 0.92-1.02 at phi-3.5-moe M = 8192); timed one
     after the other, columns compared clocks as much as kernels (benchmarks/results/zoo_h200.json, ``rounds_us``;
     ``python benchmarks/bench_zoo.py --tokens 512 2048 8192``). At M 1-64 rounds agree within 0.4% (median).
     """

@@ -71,6 +71,10 @@ MODELS = {
     "gpt-oss-20b": dict(E=32, topk=4, K=2880, N=2880),
     "deepseek-v3": dict(E=256, topk=8, K=7168, N=2048),
     "deepseek-v2-lite": dict(E=64, topk=6, K=2048, N=1408),
+    # tensor-parallel shards with a short gemm2 reduction (N <= 256, _configs.PERSISTENT_GEMM2_MAX_N), not in the zoo:
+    # DeepSeek-V3's experts over 8 GPUs (2048 / 8), Qwen3-30B-A3B's over 4 (768 / 4)
+    "deepseek-v3-tp8": dict(E=256, topk=8, K=7168, N=256),
+    "qwen3-30b-a3b-tp4": dict(E=128, topk=8, K=2048, N=192),
 }
 # The zoo of bench_zoo.py (model_zoo.ZOO) but its expert-parallel shard, whose routing (most slots on other GPUs)
 # is not what the tuner draws.

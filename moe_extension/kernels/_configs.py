@@ -390,6 +390,8 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
     - 64 rows: gemm1's weights by TMA in expert-major order, 128 columns (256 weight rows) for N >= 2048;
     - 128 rows: gemm1 128 columns (256 weight rows), weights by TMA in expert-major order, persistent (no tail
       tiles); gemm2 256 output columns, weights by TMA, persistent;
+    - 32 and 64 rows, gemm2 persistent (256 output columns on 8 warps, weights by TMA) where its reduction has at
+      most 4 steps of 64 (``PERSISTENT_GEMM2_MAX_N``);
     - up to 64 rows, gemm2 in 3 stages (4 elsewhere) where its reduction is short (``SHORT_REDUCTION_STEPS``).
 
     From 24 rows per expert on, blocks of 64 rows: at 32-40 rows an expert often spills into a second, small
@@ -476,16 +478,18 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # NOTE: a reduction of at most 4 steps of 64: gemm2 as the persistent kernel (256 output columns on 8 warps,
         # one program per SM walking the tiles, so one tile's loads overlap the previous tile's epilogue, and
         # padding rows neither read nor written) instead of a program per tile. H200, bf16, swigluoai, CUDA-graph
-        # medians of 3 interleaved rounds, outputs bitwise equal: blocks of 64 qwen3-next-80b-a3b-tp2 (N 256) M = 2048
-        # 459.8 against 477.2 us, M = 2560 476.7 against 499.3; DeepSeek-V3 TP 8 (E 256, topk 8, K 7168, N 256)
-        # M = 1024 734.5 against 765.2; Qwen3-30B-A3B TP 4 (E 128, topk 8, K 2048, N 192) M = 512 103.6 against
-        # 106.6; blocks of 32: qwen3-next M = 1024 436.9 against 464.3, DeepSeek-V3 TP 8 M = 512 691.9 against
-        # 746.8, Qwen3-30B-A3B TP 4 M = 256 96.8 against 97.0. Level from N 384 on (blocks of 64: qwen3-235b-a22b-tp4
-        # 316.7 against 315.4, deepseek-v3-tp4 1384.3 against 1389.2, gpt-oss-120b 1585.3 against 1599.3) and slower
-        # at N 1408 (deepseek-v2-lite M = 512 293.4 against 290.1); at blocks of 16 slower (qwen3-next M = 512 418.6
-        # against 410.0), 128 columns on 4 warps never faster (benchmarks/results/ab_gemm2_persistent_short_h200.txt:
-        # ``python benchmarks/ab_fused_experts.py --model qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2":
-        # {"block_n": 256, "num_warps": 8, "persistent": true, "tma_weights": true}}'``, and so on).
+        # medians of 5 interleaved rounds, outputs bitwise equal, against the tiled gemm2: blocks of 32
+        # qwen3-next-80b-a3b-tp2 (N 256) M = 1024 432.1 against 468.6 us, deepseek-v3-tp8 (N 256) M = 512 699.4
+        # against 755.6, qwen3-30b-a3b-tp4 (N 192) M = 256 98.0 against 97.7; blocks of 64 qwen3-next M = 2048 469.0
+        # against 490.0, deepseek-v3-tp8 M = 1024 755.8 against 787.7, qwen3-30b-a3b-tp4 M = 512 104.6 against 108.3
+        # (benchmarks/results/ab_gemm2_persistent_short_h200.txt, run 3: ``python benchmarks/ab_fused_experts.py
+        # --model qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2": {"block_n": 128, "num_warps": 4,
+        # "persistent": false, "tma_weights": false}}'``, and so on). block_k 64: at blocks of 32 the table's 128 in 3
+        # stages was slower (442.0 and 703.4 us), and ``sanitize``'s shared-memory budget leaves it 2. Runs 1-2 there: level from
+        # N 384 on at blocks of 64 (qwen3-235b-a22b-tp4 M = 512 316.7 against 315.4, deepseek-v3-tp4 M = 1024 1384.3
+        # against 1389.2, gpt-oss-120b M = 1024 1585.3 against 1599.3), slower at N 1408 (deepseek-v2-lite M = 512
+        # 293.4 against 290.1) and at blocks of 16 (qwen3-next M = 512 418.6 against 410.0); 128 columns on 4 warps
+        # never faster.
         g2 = dataclasses.replace(g2, block_n=256, block_k=64, num_warps=8, tma_weights=True, persistent=True)
     g2 = dataclasses.replace(g2, num_stages=_short_gemm2_stages(block_m, N, g2.block_k, g2.num_stages))
     return g1, g2
