@@ -7,9 +7,10 @@ routings (every token picks topk distinct experts, ``torch.rand(M, E).topk``), b
   second-GEMM (+ slot sum) candidate on their own (each with pointer and with TMA loads; the first GEMM
   also with TMA weight tiles and pointer-gathered token rows), keeping the fastest of each, then the
   winner's tail tile heights (``tail_m``) and the winner in expert-major tile order (``group_m`` 0), the first
-  GEMM's winner and a second GEMM with TMA rows also as persistent kernels (``persistent``; 16-bit weights), at
-  blocks of 128 rows and more the second GEMM's winner in row tiles of half the block on 4 warps (``tile_m``); the
-  best ``block_m`` by the sum of the three;
+  GEMM's winner and a second GEMM with TMA rows also as persistent kernels (``persistent``; 16-bit weights; the
+  second GEMM also in the heuristic's persistent tile, 256 output columns on 8 warps), at blocks of 128 rows and
+  more the second GEMM's winner in row tiles of half the block on 4 warps (``tile_m``); the best ``block_m`` by the
+  sum of the three;
 - the direct path (tiny M only): each GEMV candidate of both GEMMs;
 then times the best of each path end to end through ``fused_experts_triton`` and keeps the faster. The
 winner is checked against the heuristic's output (rel err <= 1e-2) before it is written.
@@ -527,10 +528,14 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
             g1_best = min(g1_best, (time_g1(g), g), key=lambda x: x[0])
         g2_best = fastest(time_g2, g2s, bm)
         if quant == "none" and g2_best[1] is not None and g2_best[1].tma_a:
-            # the winner as a persistent kernel (its stages refit to hold the output tile)
-            g = dataclasses.replace(g2_best[1], persistent=True)
-            g = sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm2
-            g2_best = min(g2_best, (time_g2(g), g), key=lambda x: x[0])
+            # the winner as a persistent kernel (its stages refit to hold the output tile), and the persistent tile of
+            # the heuristic (256 output columns on 8 warps, weights by TMA: _configs.dense_sorted_tiles), which the
+            # winner's own width and warps can miss (benchmarks/results/ab_gemm2_persistent_short_h200.txt)
+            wide = dataclasses.replace(g2_best[1], block_n=256, block_k=64, num_warps=8, tma_weights=True)
+            for g in dict.fromkeys(sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm2
+                                   for g in (dataclasses.replace(g2_best[1], persistent=True),
+                                             dataclasses.replace(wide, persistent=True))):
+                g2_best = min(g2_best, (time_g2(g), g), key=lambda x: x[0])
         if bm >= 128 and quant in ("none", "fp8_block") and g2_best[1] is not None and not g2_best[1].persistent:
             # the winner in row tiles of half the block on 4 warps (tile_m: two programs per block)
             g = dataclasses.replace(g2_best[1], tile_m=bm // 2, num_warps=4)

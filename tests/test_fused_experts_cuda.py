@@ -249,7 +249,7 @@ def test_cuda_graph_replays_match_eager(monkeypatch, op, M, persistent):
 @pytest.mark.parametrize("M,N,block_m", [(200, 256, 32), (400, 192, 64), (400, 200, 64)])
 def test_persistent_gemm2_at_short_reductions(monkeypatch, M, N, block_m):
     """The heuristic's persistent gemm2 at blocks of 32 and 64 rows where the reduction is short (N <= 256: E 64,
-    topk 6, 19 and 38 rows per expert; N 200 no multiple of 64): against the reference with biases, an expert map
+    topk 6, about 19 and 38 rows per expert; N 200 no multiple of 64): against the reference with biases, an expert map
     with -1 entries and invalid ids; then captured in a CUDA graph, 12 replays with new inputs bitwise equal to
     eager."""
     if not fe.tma_capable(torch.device("cuda")):

@@ -754,7 +754,7 @@ def test_short_reduction_gemm2_stages(M, N, quant, block_m, stages):
 
 @pytest.mark.parametrize("M,N,block_m,persistent", [
     (2048, 256, 64, True),  # qwen3-next-80b-a3b-tp2 (E 512, topk 10): 40 rows per expert, 4 steps of 64
-    (1024, 256, 32, True),  # 20 rows: 2 steps of 128
+    (1024, 256, 32, True),  # 20 rows per expert
     (1024, 192, 32, True),  # 3 steps of 64 (192 is no multiple of 128)
     (2048, 320, 64, False),  # 5 steps
     (2048, 384, 64, False),

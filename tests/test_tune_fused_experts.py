@@ -10,9 +10,9 @@ the MMA layout) write the ``,quant=mxfp4`` / ``,quant=mxfp4_mma`` keys and never
 the dense run writes the key it always wrote; and the direct path's GEMVs on MXFP4 weights.
 
 On the GPU only (the tuner times by CUDA-graph replay): the sorted path's search also times its second-GEMM
-winner with TMA rows as the persistent kernel (sm_90+), the cell's winner is a config ``sanitize`` leaves as it
-is, and the winner computes the op (against the fp64 reference). Every timing must be finite: the tuner reports
-a config that fails to compile or launch as inf and goes on.
+winner with TMA rows as the persistent kernel (sm_90+) and the heuristic's persistent tile, the cell's winner is a
+config ``sanitize`` leaves as it is, and the winner computes the op (against the fp64 reference). Every timing must
+be finite: the tuner reports a config that fails to compile or launch as inf and goes on.
 """
 
 import dataclasses
@@ -327,7 +327,8 @@ def test_tensor_core_direct_candidates(quant, E, K, N, topk):
 
 @pytest.mark.cuda
 def test_sorted_cell_times_the_persistent_gemms(monkeypatch):
-    """The tuner times its GEMM winners as persistent kernels too (gemm1's: TMA weight tiles)."""
+    """The tuner times its GEMM winners as persistent kernels too (gemm1's: TMA weight tiles), gemm2 also in the
+    heuristic's persistent tile (256 output columns on 8 warps)."""
     if not fe.tma_capable(torch.device("cuda")):
         pytest.skip("the persistent gemm2 needs sm_90+")
     E, topk, K, N, M = 8, 2, 256, 128, 512
@@ -354,6 +355,7 @@ def test_sorted_cell_times_the_persistent_gemms(monkeypatch):
     sets = tune.make_sets(E, topk, K, M, dtype, 2)
     t, cfg = tune.tune_cell(w1, w2, sets, E, topk, K, N, M, ACTIVATION_CODES[tune.ACTIVATION], True, True)
     assert launched and all(g.persistent and g.tail_m == 0 for g in launched)
+    assert {(g.block_n, g.num_warps) for g in launched} == {(128, 4), (256, 8)}, "the winner's tile and the wide one"
     assert any(gemm1_runs) and not all(gemm1_runs), "gemm1 timed tiled and persistent"
     assert times and all(us < float("inf") for us in times), "time_us returns inf for a config that fails"
     assert t < float("inf") and sanitize(cfg, dtype, N, K, topk) == cfg

@@ -485,11 +485,11 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # (benchmarks/results/ab_gemm2_persistent_short_h200.txt, run 3: ``python benchmarks/ab_fused_experts.py
         # --model qwen3-next-80b-a3b-tp2 --tokens 2048 --variant '{"gemm2": {"block_n": 128, "num_warps": 4,
         # "persistent": false, "tma_weights": false}}'``, and so on). block_k 64: at blocks of 32 the table's 128 in 3
-        # stages was slower (442.0 and 703.4 us), and ``sanitize``'s shared-memory budget leaves it 2. Runs 1-2 there: level from
-        # N 384 on at blocks of 64 (qwen3-235b-a22b-tp4 M = 512 316.7 against 315.4, deepseek-v3-tp4 M = 1024 1384.3
-        # against 1389.2, gpt-oss-120b M = 1024 1585.3 against 1599.3), slower at N 1408 (deepseek-v2-lite M = 512
-        # 293.4 against 290.1) and at blocks of 16 (qwen3-next M = 512 418.6 against 410.0); 128 columns on 4 warps
-        # never faster.
+        # stages was slower (442.0 and 703.4 us), and ``sanitize``'s shared-memory budget leaves it 2. Runs 1-2 there:
+        # level from N 384 on at blocks of 64 (qwen3-235b-a22b-tp4 M = 512 316.7 against 315.4, deepseek-v3-tp4
+        # M = 1024 1384.3 against 1389.2, gpt-oss-120b M = 1024 1585.3 against 1599.3), slower at N 1408
+        # (deepseek-v2-lite M = 512 293.4 against 290.1) and at blocks of 16 (qwen3-next M = 512 418.6 against 410.0);
+        # 128 columns on 4 warps never faster.
         g2 = dataclasses.replace(g2, block_n=256, block_k=64, num_warps=8, tma_weights=True, persistent=True)
     g2 = dataclasses.replace(g2, num_stages=_short_gemm2_stages(block_m, N, g2.block_k, g2.num_stages))
     return g1, g2
