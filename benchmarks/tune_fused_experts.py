@@ -459,7 +459,7 @@ def make_sets(E, topk, K, M, dtype, n_sets):
 def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
     """w1, w2: tensors, or ``WeightOperand``s (MXFP4); (µs, MoeConfig) of the best sorted config or None."""
     import moe_extension.kernels.fused_experts as fe
-    from moe_extension.kernels._configs import MoeConfig, sanitize
+    from moe_extension.kernels._configs import MoeConfig, persistent_gemm2_tile, sanitize
     from moe_extension.kernels._routing import route
 
     from moe_extension.kernels._configs import fp8_max_block_m
@@ -529,12 +529,10 @@ def tune_sorted(w1, w2, sets, E, topk, K, N, M, act):
         g2_best = fastest(time_g2, g2s, bm)
         if quant == "none" and g2_best[1] is not None and g2_best[1].tma_a:
             # the winner as a persistent kernel (its stages refit to hold the output tile), and the persistent tile of
-            # the heuristic (256 output columns on 8 warps, weights by TMA: _configs.dense_sorted_tiles), which the
+            # the heuristic (256 output columns on 8 warps, weights by TMA: _configs.persistent_gemm2_tile), which the
             # winner's own width and warps can miss (benchmarks/results/ab_gemm2_persistent_short_h200.txt)
-            wide = dataclasses.replace(g2_best[1], block_n=256, block_k=64, num_warps=8, tma_weights=True)
-            for g in dict.fromkeys(sanitize(MoeConfig("sorted", bm, g, g), dtype, N, K).gemm2
-                                   for g in (dataclasses.replace(g2_best[1], persistent=True),
-                                             dataclasses.replace(wide, persistent=True))):
+            tiles = (dataclasses.replace(g2_best[1], persistent=True), persistent_gemm2_tile(g2_best[1]))
+            for g in dict.fromkeys(sanitize(MoeConfig("sorted", bm, t, t), dtype, N, K).gemm2 for t in tiles):
                 g2_best = min(g2_best, (time_g2(g), g), key=lambda x: x[0])
         if bm >= 128 and quant in ("none", "fp8_block") and g2_best[1] is not None and not g2_best[1].persistent:
             # the winner in row tiles of half the block on 4 warps (tile_m: two programs per block)

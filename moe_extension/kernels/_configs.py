@@ -237,6 +237,12 @@ SHORT_REDUCTION_STEPS = 8
 PERSISTENT_GEMM2_MAX_N = 256
 
 
+def persistent_gemm2_tile(g: GemmConfig) -> GemmConfig:
+    """``g`` as the persistent gemm2's tile of 16-bit weights (``dense_sorted_tiles``; the tuner times it too): 256
+    output columns in steps of 64 on 8 warps, weights by TMA."""
+    return dataclasses.replace(g, block_n=256, block_k=64, num_warps=8, tma_weights=True, persistent=True)
+
+
 def _short_gemm2_stages(block_m: int, N: int, block_k: int, stages: int) -> int:
     """gemm2's pipeline stages: 3 for a short reduction (at most SHORT_REDUCTION_STEPS steps of block_k) at blocks
     of up to 64 rows, else ``stages`` (see the NOTEs where the two formats call it)."""
@@ -461,7 +467,7 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # '{"gemm1": {"persistent": false, "tail_m": 64}}'``), that against a persistent gemm1 whose tile loop Triton
         # had left unfused, since fused again 4-8% faster (benchmarks/results/ab_gemm1_fused_loop_h200.txt).
         g1 = dataclasses.replace(g1, block_n=128, group_m=0, tma_weights=True, persistent=True, tail_m=0)
-        g2 = dataclasses.replace(g2, block_n=256, num_stages=3, tma_weights=True, persistent=True)
+        g2 = dataclasses.replace(persistent_gemm2_tile(g2), num_stages=3)
     # NOTE: a short reduction (at most 8 steps) in 3 stages instead of 4: the stages' shared memory bounds the
     # programs an SM holds, and in a reduction this short a program's loads overlap more with the other
     # programs' epilogues than with its own later steps. H200, bf16, swigluoai, CUDA-graph medians of 3
@@ -490,7 +496,7 @@ def dense_sorted_tiles(block_m: int, N: int, g1: GemmConfig, g2: GemmConfig) -> 
         # M = 1024 1384.3 against 1389.2, gpt-oss-120b M = 1024 1585.3 against 1599.3), slower at N 1408
         # (deepseek-v2-lite M = 512 293.4 against 290.1) and at blocks of 16 (qwen3-next M = 512 418.6 against 410.0);
         # 128 columns on 4 warps never faster.
-        g2 = dataclasses.replace(g2, block_n=256, block_k=64, num_warps=8, tma_weights=True, persistent=True)
+        g2 = persistent_gemm2_tile(g2)
     g2 = dataclasses.replace(g2, num_stages=_short_gemm2_stages(block_m, N, g2.block_k, g2.num_stages))
     return g1, g2
 
